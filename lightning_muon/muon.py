@@ -1,0 +1,395 @@
+"""``Muon``: a hybrid optimizer, Muon on hidden matrices and AdamW or Lion on the rest."""
+
+from __future__ import annotations
+
+import math
+import numbers
+import warnings
+from collections.abc import Callable, Iterable
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.optim import Optimizer
+
+from lightning_muon.functional import (
+    ADJUST_LR_ALIASES,
+    ADJUST_LR_MODES,
+    adamw_,
+    lion_,
+    muon_apply_,
+    muon_momentum_,
+    muon_orthogonalize,
+)
+from lightning_muon.newton_schulz import check_ns_dtype, resolve_coefficients
+
+__all__ = ["ALGORITHMS", "Muon"]
+
+ALGORITHMS = ("muon", "adamw", "lion")
+_NONFINITE = ("raise", "skip")
+_DTYPE_NAMES = {
+    torch.float32: "float32",
+    torch.bfloat16: "bfloat16",
+    torch.float64: "float64",
+    torch.float16: "float16",
+}
+
+
+class Muon(Optimizer):
+    r"""Muon for hidden weight matrices, AdamW or Lion for everything else, in one optimizer.
+
+    Each param group has an ``"algorithm"``: ``"muon"``, ``"adamw"`` or ``"lion"``. For a
+    Muon matrix ``W`` with gradient ``G`` (torch.optim.Muon's form)::
+
+        B <- mu B + (1 - mu) G                       # EMA momentum
+        U <- (1 - mu) G + mu B   if nesterov else B
+        O <- orthogonalize(U)                        # Newton-Schulz, short side first
+        W <- W (1 - lr wd)                           # decoupled decay, base lr
+        W <- W - lr * adjust(rows, cols) * extra_scale_factor * O
+
+    Tensors with more than two dims are flattened to ``(dim 0, rest)``; a group with
+    ``split_sizes`` orthogonalizes blocks along dim 0 separately (fused QKV), and a
+    group with ``batched=True`` treats a ``(..., rows, cols)`` tensor as a batch of
+    matrices (experts). AdamW groups follow ``torch.optim.AdamW``; Lion groups follow
+    Chen et al. with decoupled weight decay. Every update scales with the group's lr,
+    so a step at lr = 0 changes nothing.
+
+    A flat list of tensors (or ``(name, tensor)`` pairs) is split by rule: tensors with
+    two or more dims to a ``"muon"`` group, the rest to an ``"adamw"`` group. A dict
+    without ``"algorithm"`` gets ``"muon"`` if all its tensors are matrices, ``"adamw"``
+    if none is, and an error otherwise.
+
+    Args:
+        params: tensors, ``(name, tensor)`` pairs, or param-group dicts.
+        lr: Muon learning rate.
+        momentum: Muon momentum ``mu`` in [0, 1).
+        nesterov: use the Nesterov form of the momentum.
+        weight_decay: Muon decoupled weight decay (multiplied by the base lr).
+        ns_steps: Newton-Schulz iterations.
+        ns_coefficients: a name in ``COEFFICIENTS`` or a list of (a, b, c) tuples.
+        ns_dtype: Newton-Schulz dtype: None (automatic), "float32", "bfloat16" or a dtype.
+        adjust_lr: "original", "match_rms_adamw", "spectral", "spectral_norm" or "none"
+            (Megatron's "shape_scaling" and "unit_rms_norm" are aliases).
+        extra_scale_factor: multiplies the adjusted Muon lr.
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW group defaults.
+        lion_lr, lion_betas, lion_weight_decay: Lion group defaults (lr defaults to
+            ``adamw_lr``; Lion usually wants 3-10x less).
+        nonfinite: ``"raise"`` (default) on a NaN/inf gradient, naming the group and
+            parameter, or ``"skip"`` the whole step with a warning.
+
+    References:
+        Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024.
+        Liu et al., "Muon is Scalable for LLM Training", arXiv 2502.16982, 2025.
+        Loshchilov & Hutter, "Decoupled Weight Decay Regularization", arXiv 1711.05101.
+        Chen et al., "Symbolic Discovery of Optimization Algorithms", arXiv 2302.06675.
+    """
+
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = 0.02,
+        momentum: float = 0.95,
+        nesterov: bool = True,
+        weight_decay: float = 0.0,
+        ns_steps: int = 5,
+        ns_coefficients: str | list[tuple[float, float, float]] = "polar_express",
+        ns_dtype: torch.dtype | str | None = None,
+        adjust_lr: str = "original",
+        extra_scale_factor: float = 1.0,
+        adamw_lr: float = 3e-4,
+        adamw_betas: tuple[float, float] = (0.9, 0.95),
+        adamw_eps: float = 1e-8,
+        adamw_weight_decay: float = 0.0,
+        lion_lr: float | None = None,
+        lion_betas: tuple[float, float] = (0.9, 0.99),
+        lion_weight_decay: float | None = None,
+        nonfinite: str = "raise",
+    ) -> None:
+        if nonfinite not in _NONFINITE:
+            raise ValueError(f"nonfinite must be one of {_NONFINITE}, got {nonfinite!r}")
+        self.nonfinite = nonfinite
+        self._algorithm_defaults = {
+            "muon": dict(
+                lr=lr,
+                momentum=momentum,
+                nesterov=nesterov,
+                weight_decay=weight_decay,
+                ns_steps=ns_steps,
+                ns_coefficients=ns_coefficients,
+                ns_dtype=ns_dtype,
+                adjust_lr=adjust_lr,
+                extra_scale_factor=extra_scale_factor,
+                split_sizes=None,
+                batched=False,
+            ),
+            "adamw": dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay),
+            "lion": dict(
+                lr=adamw_lr if lion_lr is None else lion_lr,
+                betas=lion_betas,
+                weight_decay=adamw_weight_decay if lion_weight_decay is None else lion_weight_decay,
+            ),
+        }
+        for algorithm, defaults in self._algorithm_defaults.items():
+            _validate_hparams(defaults, algorithm, where="Muon()")
+        # Only keys every group shares live in ``defaults``: Optimizer copies them into
+        # each group, and LearningRateMonitor reads ``betas`` from it for all groups.
+        super().__init__(_as_groups(params), {})
+
+    def add_param_group(self, param_group: dict[str, Any]) -> None:
+        group = dict(param_group)
+        params = group["params"]
+        params = [params] if isinstance(params, Tensor) else list(params)
+        if params and isinstance(params[0], tuple):
+            group.setdefault("param_names", [n for n, _ in params])
+            params = [p for _, p in params]
+        group["params"] = params
+        where = f"param group {len(self.param_groups)}" + (f" ({group['name']!r})" if "name" in group else "")
+        algorithm = group.get("algorithm")
+        if algorithm is None:
+            is_matrix = [p.ndim >= 2 for p in params]
+            if all(is_matrix) and params:
+                algorithm = "muon"
+            elif not any(is_matrix):
+                algorithm = "adamw"
+            else:
+                raise ValueError(
+                    f"{where}: mixes matrices and 1-D tensors without an 'algorithm'; "
+                    "set 'algorithm' or pass a flat parameter list to split them by rule"
+                )
+        if algorithm not in ALGORITHMS:
+            raise ValueError(f"{where}: algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        group["algorithm"] = algorithm
+        for key, value in self._algorithm_defaults[algorithm].items():
+            group.setdefault(key, value)
+        _validate_hparams(group, algorithm, where=where)
+        if algorithm == "muon":
+            group["ns_dtype"] = _dtype_name(group["ns_dtype"])
+            _validate_muon_params(group, params, where)
+        super().add_param_group(group)
+
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step over every group; ``closure`` re-evaluates the loss."""
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        work = [(group, *self._collect(i, group)) for i, group in enumerate(self.param_groups)]
+        if not self._grads_finite(work):
+            return loss
+        for group, params, grads in work:
+            if not params:
+                continue
+            algorithm = group["algorithm"]
+            if algorithm == "muon":
+                self._muon_step(group, params, grads)
+            elif algorithm == "adamw":
+                self._adamw_step(group, params, grads)
+            else:
+                self._lion_step(group, params, grads)
+        return loss
+
+    def _collect(self, index: int, group: dict) -> tuple[list[Tensor], list[Tensor]]:
+        params, grads = [], []
+        for j, p in enumerate(group["params"]):
+            if p.grad is None:
+                continue
+            if p.grad.is_sparse:
+                raise ValueError(f"param group {index}, parameter {j}: sparse gradients are not supported")
+            if p.grad.is_complex():
+                raise ValueError(f"param group {index}, parameter {j}: complex gradients are not supported")
+            params.append(p)
+            grads.append(p.grad)
+        return params, grads
+
+    def _grads_finite(self, work: list) -> bool:
+        grads = [g for _, _, gs in work for g in gs]
+        if not grads:
+            return True
+        # One max-abs per tensor and one host sync: NaN and inf both propagate into it.
+        maxima = torch._foreach_norm(grads, float("inf"))
+        device = maxima[0].device
+        if bool(torch.stack([m.to(device) for m in maxima]).isfinite().all()):
+            return True
+        if self.nonfinite == "skip":
+            warnings.warn(
+                "Muon: a gradient holds NaN or inf; the step was skipped for all groups", RuntimeWarning, stacklevel=3
+            )
+            return False
+        for i, (group, params, gs) in enumerate(work):
+            for p, g in zip(params, gs):
+                if not bool(g.isfinite().all()):
+                    j = next(k for k, q in enumerate(group["params"]) if q is p)
+                    name = group.get("param_names", [None] * (j + 1))[j]
+                    label = f" {name!r}" if name else ""
+                    raise FloatingPointError(
+                        f"Muon: non-finite gradient in param group {i} ({group.get('name', group['algorithm'])!r}), "
+                        f"parameter {j}{label} of shape {tuple(p.shape)}; pass nonfinite='skip' to skip such steps"
+                    )
+        return True  # pragma: no cover - the max said non-finite, one tensor must be
+
+    def _muon_step(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
+        bufs = []
+        for p in params:
+            state = self.state[p]
+            if "momentum_buffer" not in state:
+                state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+            bufs.append(state["momentum_buffer"])
+        updates = muon_momentum_(grads, bufs, group["momentum"], group["nesterov"])
+        ortho = muon_orthogonalize(
+            updates,
+            ns_steps=group["ns_steps"],
+            ns_coefficients=group["ns_coefficients"],
+            ns_dtype=group["ns_dtype"],
+            split_sizes=group["split_sizes"],
+            batched=group["batched"],
+        )
+        muon_apply_(
+            params,
+            ortho,
+            lr=group["lr"],
+            weight_decay=group["weight_decay"],
+            adjust_lr=group["adjust_lr"],
+            extra_scale_factor=group["extra_scale_factor"],
+            split_sizes=group["split_sizes"],
+            batched=group["batched"],
+        )
+
+    def _adamw_step(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
+        for p in params:
+            state = self.state[p]
+            if "exp_avg" not in state:
+                state["step"] = torch.tensor(0.0)
+                state["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        states = [self.state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        adamw_(
+            params,
+            grads,
+            [s["exp_avg"] for s in states],
+            [s["exp_avg_sq"] for s in states],
+            [s["step"] for s in states],
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+        )
+
+    def _lion_step(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
+        for p in params:
+            if "exp_avg" not in self.state[p]:
+                self.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+        beta1, beta2 = group["betas"]
+        lion_(
+            params,
+            grads,
+            [self.state[p]["exp_avg"] for p in params],
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            weight_decay=group["weight_decay"],
+        )
+
+
+def _as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
+    """Param-group dicts from tensors, (name, tensor) pairs or dicts."""
+    if isinstance(params, Tensor):
+        raise TypeError("params must be an iterable of tensors or dicts, got a single Tensor")
+    items = list(params)
+    if not items:
+        raise ValueError("params is empty: Muon got no parameters to optimize")
+    if all(isinstance(item, dict) for item in items):
+        return items
+    if any(isinstance(item, dict) for item in items):
+        raise ValueError("params mixes dicts with tensors; pass one kind")
+    named = [item if isinstance(item, tuple) else (None, item) for item in items]
+    for name, p in named:
+        if not isinstance(p, Tensor):
+            raise TypeError(f"params must hold tensors, got {type(p).__name__} for {name or 'an item'}")
+    groups = []
+    for algorithm, keep in (("muon", lambda p: p.ndim >= 2), ("adamw", lambda p: p.ndim < 2)):
+        chosen = [(n, p) for n, p in named if keep(p)]
+        if chosen:
+            group: dict[str, Any] = {"params": [p for _, p in chosen], "algorithm": algorithm, "name": algorithm}
+            if all(n is not None for n, _ in chosen):
+                group["param_names"] = [n for n, _ in chosen]
+            groups.append(group)
+    return groups
+
+
+def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
+    # Groups keep a plain string: checkpoints (torch.save and distributed) store it as is.
+    resolved = check_ns_dtype(dtype)
+    return None if resolved is None else _DTYPE_NAMES.get(resolved, str(resolved).removeprefix("torch."))
+
+
+def _check_number(
+    value: Any,
+    name: str,
+    where: str,
+    low: float,
+    high: float = math.inf,
+    low_open: bool = False,
+    high_open: bool = False,
+) -> None:
+    ok = isinstance(value, numbers.Real) and not isinstance(value, bool) and math.isfinite(value)
+    if ok:
+        ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
+    if not ok:
+        lo, hi = "(" if low_open else "[", ")" if high_open or high == math.inf else "]"
+        raise ValueError(f"{where}: {name} must be a finite number in {lo}{low}, {high}{hi}, got {value!r}")
+
+
+def _validate_hparams(group: dict[str, Any], algorithm: str, where: str) -> None:
+    _check_number(group["lr"], "lr", where, 0.0)
+    _check_number(group["weight_decay"], "weight_decay", where, 0.0)
+    if algorithm == "muon":
+        _check_number(group["momentum"], "momentum", where, 0.0, 1.0, high_open=True)
+        if not isinstance(group["nesterov"], bool):
+            raise ValueError(f"{where}: nesterov must be a bool, got {group['nesterov']!r}")
+        resolve_coefficients(group["ns_coefficients"], group["ns_steps"])
+        check_ns_dtype(group["ns_dtype"])
+        mode = group["adjust_lr"]
+        if ADJUST_LR_ALIASES.get(mode, mode) not in ADJUST_LR_MODES:
+            raise ValueError(
+                f"{where}: adjust_lr must be one of {sorted(ADJUST_LR_MODES) + sorted(ADJUST_LR_ALIASES)}, got {mode!r}"
+            )
+        _check_number(group["extra_scale_factor"], "extra_scale_factor", where, 0.0, low_open=True)
+        if not isinstance(group["batched"], bool):
+            raise ValueError(f"{where}: batched must be a bool, got {group['batched']!r}")
+        return
+    betas = group["betas"]
+    if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
+        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
+    for k, beta in enumerate(betas):
+        _check_number(beta, f"betas[{k}]", where, 0.0, 1.0, high_open=True)
+    group["betas"] = tuple(betas)
+    if algorithm == "adamw":
+        _check_number(group["eps"], "eps", where, 0.0, low_open=True)
+
+
+def _validate_muon_params(group: dict[str, Any], params: list[Tensor], where: str) -> None:
+    split_sizes, batched = group["split_sizes"], group["batched"]
+    if split_sizes is not None:
+        if batched:
+            raise ValueError(f"{where}: split_sizes and batched=True cannot be combined")
+        if not split_sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in split_sizes):
+            raise ValueError(f"{where}: split_sizes must be a non-empty list of positive ints, got {split_sizes!r}")
+        group["split_sizes"] = tuple(split_sizes)
+    for j, p in enumerate(params):
+        label = f"{where}, parameter {j}" + (f" ({group['param_names'][j]!r})" if "param_names" in group else "")
+        if p.is_complex():
+            raise ValueError(f"{label}: complex parameters are not supported by Muon")
+        if p.ndim < 2:
+            raise ValueError(
+                f"{label}: Muon needs a matrix, got a {p.ndim}-D tensor of shape {tuple(p.shape)}; "
+                "route it to 'adamw' or 'lion'"
+            )
+        if batched and p.ndim < 3:
+            raise ValueError(f"{label}: batched=True needs a tensor with 3+ dims, got shape {tuple(p.shape)}")
+        if split_sizes is not None and sum(split_sizes) != p.shape[0]:
+            raise ValueError(
+                f"{label}: split_sizes {tuple(split_sizes)} sum to {sum(split_sizes)}, but dim 0 has size {p.shape[0]}"
+            )

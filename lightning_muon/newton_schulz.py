@@ -1,0 +1,340 @@
+"""Newton-Schulz orthogonalization: coefficient schedules, dtype policy, batched kernels.
+
+``orthogonalize(G)`` approximates the polar factor ``U V^T`` of ``G = U S V^T``
+with a few quintic iterations on the short side of the matrix::
+
+    X <- G / (||G||_F * safety + eps)          # every singular value now <= 1
+    repeat for (a, b, c) in schedule:
+        A <- X X^T                               # (m, m), m = short side
+        B <- b A + c A A
+        X <- a X + B X
+
+Each step maps every singular value ``s`` of ``X`` to ``a s + b s^3 + c s^5``; a
+schedule is a list of ``(a, b, c)`` chosen so that the composition pushes all of
+``(0, 1]`` towards 1.
+"""
+
+from __future__ import annotations
+
+import functools
+import math
+from collections.abc import Sequence
+from typing import NamedTuple
+
+import torch
+from torch import Tensor
+
+__all__ = [
+    "BATCH_MAX_ELEMENTS",
+    "COEFFICIENTS",
+    "NORMALIZATION",
+    "bf16_matmul_is_fast",
+    "ns_flops",
+    "orthogonalize",
+    "orthogonalize_many",
+    "resolve_coefficients",
+    "resolve_ns_dtype",
+]
+
+Coefficients = tuple[float, float, float]
+
+
+def _paper_schedule() -> list[Coefficients]:
+    # Amsel et al. 2025 (arXiv 2505.16932), their released 8-step list. Every tuple
+    # but the last is divided by (1.01, 1.01^3, 1.01^5): evaluating p(x / 1.01) keeps
+    # the iteration stable when bf16 rounding pushes a singular value slightly above 1.
+    raw = [
+        (8.28721201814563, -23.595886519098837, 17.300387312530933),
+        (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
+        (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
+        (3.3184196573706015, -2.488488024314874, 0.51004894012372),
+        (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
+        (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
+        (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
+        (1.875, -1.25, 0.375),
+    ]
+    safety = 1.01
+    scaled = [(a / safety, b / safety**3, c / safety**5) for a, b, c in raw[:-1]]
+    return scaled + [raw[-1]]
+
+
+COEFFICIENTS: dict[str, list[Coefficients]] = {
+    # Keller Jordan's quintic, torch.optim.Muon's default (torch/optim/_muon.py).
+    # Maximises the slope at 0; converges to singular values in roughly [0.7, 1.2].
+    "keller": [(3.4445, -4.7750, 2.0315)] * 5,
+    # You Jiacheng's per-step tuning (modded-nanogpt, 2024).
+    "you": [
+        (4.0848, -6.8946, 2.9270),
+        (3.9505, -6.3029, 2.6377),
+        (3.7418, -5.5913, 2.3037),
+        (2.8769, -3.1427, 1.2046),
+        (2.8366, -3.0525, 1.2012),
+    ],
+    # Polar Express tuned for exactly 5 steps (karpathy/nanochat, nanochat/optim.py),
+    # the minimax-optimal composition of Amsel et al. 2025, arXiv 2505.16932.
+    "polar_express": [
+        (8.156554524902461, -22.48329292557795, 15.878769915207462),
+        (4.042929935166739, -2.808917465908714, 0.5000178451051316),
+        (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
+        (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
+        (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+    ],
+    "polar_express_paper": _paper_schedule(),
+    # Classic cubic Newton-Schulz (Higham, "Functions of Matrices", 2008, eq. 8.20):
+    # converges to the exact polar factor, slowly (a gain of 1.5 per step near 0).
+    "cubic": [(1.5, -0.5, 0.0)],
+}
+
+
+class Normalization(NamedTuple):
+    """Pre-scaling ``X = G / (||G||_F * safety + eps)`` used with a schedule."""
+
+    safety: float
+    eps: float
+
+
+NORMALIZATION: dict[str, Normalization] = {
+    "keller": Normalization(1.0, 1e-7),  # torch.optim.Muon: EPS = 1e-7
+    "you": Normalization(1.0, 1e-7),
+    "polar_express": Normalization(1.02, 1e-6),  # nanochat's 5-step schedule
+    "polar_express_paper": Normalization(1.01, 1e-7),
+    "cubic": Normalization(1.0, 1e-7),
+}
+_DEFAULT_NORMALIZATION = Normalization(1.0, 1e-7)
+
+# Same-shape matrices with at most this many elements are stacked and run through
+# one batched matmul; larger ones run one by one (no stacking copy, less memory).
+# Measured with benchmarks/bench_optimizer.py (table "batching", 12 matrices, fp32,
+# 2-core AVX2 CPU): batched was 7x faster at 16x64, 1.7x at 64x256, 1.2x at
+# 256x256 (65,536 elements) and 0.9x at 256x1024 (262,144 elements).
+BATCH_MAX_ELEMENTS = 1 << 17
+# Upper bound on the elements of one stacked batch, to bound the extra memory.
+_STACK_MAX_ELEMENTS = 1 << 26
+
+
+def resolve_coefficients(
+    coefficients: str | Sequence[Sequence[float]], steps: int
+) -> tuple[list[Coefficients], Normalization]:
+    """Return ``steps`` (a, b, c) tuples and the pre-scaling for a schedule.
+
+    A named schedule (a key of ``COEFFICIENTS``) or an explicit list of (a, b, c)
+    tuples is accepted; a list shorter than ``steps`` repeats its last tuple.
+
+    Raises:
+        ValueError: ``steps`` is not a positive int, the name is unknown, or the
+            list is empty or holds something other than three finite numbers.
+    """
+    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
+        raise ValueError(f"ns_steps must be a positive int, got {steps!r}")
+    if isinstance(coefficients, str):
+        return _named_schedule(coefficients, steps)
+    try:
+        schedule = [tuple(float(v) for v in abc) for abc in coefficients]
+    except (TypeError, ValueError):
+        raise ValueError(
+            f"ns_coefficients must be a name in {sorted(COEFFICIENTS)} or a list of "
+            f"(a, b, c) tuples, got {coefficients!r}"
+        ) from None
+    if not schedule or any(len(abc) != 3 for abc in schedule):
+        raise ValueError(f"ns_coefficients must be a non-empty list of (a, b, c) tuples, got {coefficients!r}")
+    if not all(math.isfinite(v) for abc in schedule for v in abc):
+        raise ValueError(f"ns_coefficients must be finite numbers, got {coefficients!r}")
+    return _extend(schedule, steps), _DEFAULT_NORMALIZATION
+
+
+@functools.lru_cache(maxsize=64)
+def _named_schedule(name: str, steps: int) -> tuple[list[Coefficients], Normalization]:
+    if name not in COEFFICIENTS:
+        raise ValueError(
+            f"ns_coefficients: unknown schedule {name!r}; choose one of {sorted(COEFFICIENTS)} "
+            "or pass a list of (a, b, c) tuples"
+        )
+    return _extend(COEFFICIENTS[name], steps), NORMALIZATION.get(name, _DEFAULT_NORMALIZATION)
+
+
+def _extend(schedule: list, steps: int) -> list[Coefficients]:
+    return [tuple(abc) for abc in schedule[:steps]] + [tuple(schedule[-1])] * max(0, steps - len(schedule))
+
+
+@functools.lru_cache(maxsize=1)
+def _cpu_has_fast_bf16() -> bool:
+    # torch reads CPUID itself; AVX512-BF16 and AMX-BF16 have native bf16 dot products.
+    # On AVX2-only CPUs bf16 matmul falls back to a path about 100x slower than fp32.
+    try:
+        caps = torch._C._cpu._get_cpu_capability()
+    except AttributeError:  # pragma: no cover - older torch builds
+        return False
+    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+
+
+def bf16_matmul_is_fast(device: torch.device | str) -> bool:
+    """True where bf16 matmul is faster than fp32 (CUDA with bf16; CPUs with AVX512-BF16/AMX)."""
+    device = torch.device(device)
+    if device.type == "cuda":
+        return torch.cuda.is_bf16_supported()
+    if device.type == "cpu":
+        return _cpu_has_fast_bf16()
+    return False
+
+
+_DTYPE_NAMES = {
+    "float32": torch.float32,
+    "bfloat16": torch.bfloat16,
+    "float64": torch.float64,
+    "float16": torch.float16,
+    "fp32": torch.float32,
+    "bf16": torch.bfloat16,
+}
+
+
+def resolve_ns_dtype(
+    dtype: torch.dtype | str | None, device: torch.device | str, input_dtype: torch.dtype
+) -> torch.dtype:
+    """The dtype Newton-Schulz runs in.
+
+    ``None`` is the automatic policy: float64 inputs stay float64 (precision was asked
+    for); otherwise bf16 where this device does bf16 matmul fast, else float32. A
+    name ("float32", "bfloat16", ...) or a torch floating dtype overrides it.
+    """
+    if dtype is None:
+        if input_dtype == torch.float64:
+            return torch.float64
+        return torch.bfloat16 if bf16_matmul_is_fast(device) else torch.float32
+    return check_ns_dtype(dtype)
+
+
+def check_ns_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """Validate a user's ``ns_dtype`` and return it as a torch dtype (or None)."""
+    if dtype is None:
+        return None
+    if isinstance(dtype, str):
+        if dtype not in _DTYPE_NAMES:
+            raise ValueError(f"ns_dtype must be None, a torch dtype or one of {sorted(_DTYPE_NAMES)}, got {dtype!r}")
+        return _DTYPE_NAMES[dtype]
+    if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
+        raise ValueError(f"ns_dtype must be a floating torch dtype, got {dtype!r}")
+    return dtype
+
+
+def ns_flops(rows: int, cols: int, steps: int, cubic: bool = False) -> int:
+    """FLOPs of ``steps`` Newton-Schulz iterations on one rows x cols matrix."""
+    m, n = min(rows, cols), max(rows, cols)
+    per_step = 4 * n * m * m + (0 if cubic else 2 * m**3)
+    return steps * per_step
+
+
+def orthogonalize(
+    G: Tensor,
+    steps: int = 5,
+    coefficients: str | Sequence[Sequence[float]] = "polar_express",
+    dtype: torch.dtype | str | None = None,
+) -> Tensor:
+    """Approximate the polar factor of every matrix in ``G`` (shape ``(..., m, n)``).
+
+    Args:
+        G: a tensor with at least two dims; leading dims are a batch.
+        steps: Newton-Schulz iterations.
+        coefficients: a name in ``COEFFICIENTS`` or a list of (a, b, c) tuples; a list
+            shorter than ``steps`` repeats its last tuple.
+        dtype: the dtype to iterate in; ``None`` applies the automatic policy of
+            ``resolve_ns_dtype``.
+
+    Returns:
+        A tensor of ``G``'s shape and dtype whose singular values lie near 1 (how
+        near depends on the schedule) with ``G``'s singular vectors. A zero matrix
+        gives zeros.
+
+    References:
+        Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024.
+        Amsel, Persson, Musco, Gower, "The Polar Express: Optimal Matrix Sign Methods
+        and Their Application to the Muon Algorithm", arXiv 2505.16932, 2025.
+    """
+    if not isinstance(G, Tensor) or G.ndim < 2:
+        raise ValueError(f"G must be a tensor with at least 2 dims, got shape {getattr(G, 'shape', G)}")
+    if G.is_complex() or not G.is_floating_point():
+        raise ValueError(f"G must be a real floating tensor, got dtype {G.dtype}")
+    schedule, norm = resolve_coefficients(coefficients, steps)
+    work_dtype = resolve_ns_dtype(dtype, G.device, G.dtype)
+    if G.numel() == 0:
+        return torch.zeros_like(G)
+    batch_shape, (rows, cols) = G.shape[:-2], G.shape[-2:]
+    tall = rows > cols
+    X = G.reshape(-1, rows, cols)  # (K, rows, cols)
+    X = (X.mT if tall else X).to(work_dtype, memory_format=torch.contiguous_format, copy=True)
+    X = _newton_schulz_(X, schedule, norm)  # (K, m, n), m <= n
+    if tall:
+        X = X.mT
+    return X.to(G.dtype).reshape(*batch_shape, rows, cols)
+
+
+def _newton_schulz_(X: Tensor, schedule: list[Coefficients], norm: Normalization) -> Tensor:
+    """Iterate in place on ``X`` of shape (K, m, n) with m <= n; returns the result buffer."""
+    # The norm is accumulated in fp32 at least: a bf16 sum of squares loses digits.
+    acc = torch.promote_types(X.dtype, torch.float32)
+    fro = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=acc)
+    X.div_(fro.mul_(norm.safety).add_(norm.eps).to(X.dtype))
+    if X.shape[0] == 1:
+        return _iterate_2d(X[0], schedule).unsqueeze(0)
+    K, m, n = X.shape
+    A = X.new_empty(K, m, m)  # (K, m, m) Gram matrices
+    B = X.new_empty(K, m, m)
+    Y = X.new_empty(K, m, n)
+    for a, b, c in schedule:
+        torch.bmm(X, X.mT, out=A)
+        if c == 0.0:
+            torch.mul(A, b, out=B)
+        else:
+            torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
+        torch.baddbmm(X, B, X, beta=a, out=Y)
+        X, Y = Y, X
+    return X
+
+
+def _iterate_2d(X: Tensor, schedule: list[Coefficients]) -> Tensor:
+    m, n = X.shape  # m <= n
+    A = X.new_empty(m, m)
+    B = X.new_empty(m, m)
+    Y = X.new_empty(m, n)
+    for a, b, c in schedule:
+        torch.mm(X, X.mT, out=A)
+        if c == 0.0:
+            torch.mul(A, b, out=B)
+        else:
+            torch.addmm(A, A, A, beta=b, alpha=c, out=B)
+        torch.addmm(X, B, X, beta=a, out=Y)
+        X, Y = Y, X
+    return X
+
+
+def orthogonalize_many(
+    matrices: Sequence[Tensor],
+    steps: int = 5,
+    coefficients: str | Sequence[Sequence[float]] = "polar_express",
+    dtype: torch.dtype | str | None = None,
+) -> list[Tensor]:
+    """``[orthogonalize(M) for M in matrices]``, with same-shape small matrices batched.
+
+    Matrices are bucketed by (short side, long side, device, dtype); a tall matrix
+    joins the bucket of its transpose. Buckets of matrices with at most
+    ``BATCH_MAX_ELEMENTS`` elements each are stacked into one batched iteration;
+    larger matrices run one by one. Inputs with batch dims are treated as one item.
+    """
+    out: list[Tensor | None] = [None] * len(matrices)
+    buckets: dict[tuple, list[int]] = {}
+    for i, M in enumerate(matrices):
+        rows, cols = M.shape[-2:]
+        if M.ndim != 2 or rows * cols > BATCH_MAX_ELEMENTS or M.numel() == 0:
+            out[i] = orthogonalize(M, steps, coefficients, dtype)
+            continue
+        key = (min(rows, cols), max(rows, cols), M.device, M.dtype)
+        buckets.setdefault(key, []).append(i)
+    for (m, n, _, _), idx in buckets.items():
+        chunk = max(1, _STACK_MAX_ELEMENTS // (m * n))
+        for start in range(0, len(idx), chunk):
+            part = idx[start : start + chunk]
+            # (K, m, n): every matrix laid wide
+            wide = [matrices[i] if matrices[i].shape[0] == m else matrices[i].mT for i in part]
+            result = orthogonalize(torch.stack(wide), steps, coefficients, dtype)  # (K, m, n)
+            for k, i in enumerate(part):
+                out[i] = result[k] if matrices[i].shape[0] == m else result[k].mT
+    return out  # type: ignore[return-value]
