@@ -1,7 +1,25 @@
 """lightning_muon: train PyTorch Lightning models with the Muon optimizer."""
 
+from lightning_muon.config import MuonConfig
+from lightning_muon.module import MuonModuleMixin, build_optimizers, build_schedulers, configure_muon_optimizers
 from lightning_muon.muon import Muon
 from lightning_muon.newton_schulz import COEFFICIENTS, orthogonalize
+from lightning_muon.routing import ParamGroups, Rule, route_parameters
+from lightning_muon.schedules import LRSchedule, MuonScheduler
 
-__all__ = ["COEFFICIENTS", "Muon", "orthogonalize"]
+__all__ = [
+    "COEFFICIENTS",
+    "LRSchedule",
+    "Muon",
+    "MuonConfig",
+    "MuonModuleMixin",
+    "MuonScheduler",
+    "ParamGroups",
+    "Rule",
+    "build_optimizers",
+    "build_schedulers",
+    "configure_muon_optimizers",
+    "orthogonalize",
+    "route_parameters",
+]
 __version__ = "0.1.0"

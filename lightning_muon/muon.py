@@ -131,9 +131,9 @@ class Muon(Optimizer):
         }
         for algorithm, defaults in self._algorithm_defaults.items():
             _validate_hparams(defaults, algorithm, where="Muon()")
-        # Only keys every group shares live in ``defaults``: Optimizer copies them into
-        # each group, and LearningRateMonitor reads ``betas`` from it for all groups.
-        super().__init__(_as_groups(params), {})
+        # Only keys every group has live in ``defaults``: Optimizer copies them into each
+        # group, and LearningRateMonitor would read ``betas`` from every group if it were here.
+        super().__init__(_as_groups(params), {"momentum": momentum})
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = dict(param_group)
@@ -165,6 +165,10 @@ class Muon(Optimizer):
         if algorithm == "muon":
             group["ns_dtype"] = _dtype_name(group["ns_dtype"])
             _validate_muon_params(group, params, where)
+        else:
+            # A read-out of beta1 for loggers (LearningRateMonitor logs group["momentum"]);
+            # the step reads ``betas`` and refreshes this copy.
+            group["momentum"] = group["betas"][0]
         super().add_param_group(group)
 
     @torch.no_grad()
@@ -264,6 +268,7 @@ class Muon(Optimizer):
                 state["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         states = [self.state[p] for p in params]
         beta1, beta2 = group["betas"]
+        group["momentum"] = beta1
         adamw_(
             params,
             grads,
@@ -282,6 +287,7 @@ class Muon(Optimizer):
             if "exp_avg" not in self.state[p]:
                 self.state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
         beta1, beta2 = group["betas"]
+        group["momentum"] = beta1
         lion_(
             params,
             grads,

@@ -1,0 +1,141 @@
+"""Lightning glue: ``configure_muon_optimizers``, ``MuonModuleMixin`` and the list API.
+
+One hybrid optimizer is the default because Lightning's automatic optimization
+takes a single optimizer (and keeps gradient clipping and accumulation working).
+The list API (``build_optimizers`` / ``build_schedulers``) returns one optimizer
+per algorithm for manual optimization and plain PyTorch loops.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Iterable
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.utilities import rank_zero_info
+from torch import Tensor, nn
+
+from lightning_muon.config import MuonConfig
+from lightning_muon.muon import Muon, _as_groups
+from lightning_muon.routing import Rule, route_parameters
+from lightning_muon.schedules import MuonScheduler
+
+__all__ = ["MuonModuleMixin", "build_optimizers", "build_schedulers", "configure_muon_optimizers"]
+
+# Checkpoints hold hyperparameters; let torch.load(weights_only=True) (Lightning's
+# default for local files) rebuild our plain-data config classes.
+torch.serialization.add_safe_globals([MuonConfig, Rule])
+
+
+def _total_steps(config: MuonConfig, module: nn.Module | None) -> int | None:
+    """``config.total_steps``, else the trainer's estimate when the schedule needs one."""
+    if config.total_steps is not None:
+        return config.total_steps
+    try:
+        config.lr_schedule(None)
+        return None  # the schedule does not depend on the run's length
+    except ValueError:
+        pass
+    trainer = getattr(module, "_trainer", None)
+    estimate = trainer.estimated_stepping_batches if trainer is not None else None
+    if estimate is None or not math.isfinite(estimate) or estimate < 1:
+        raise ValueError(
+            f"MuonConfig.total_steps is needed by falloff={config.falloff!r} (or a fractional phase) and could not "
+            f"be taken from the trainer (estimated_stepping_batches={estimate}); set total_steps or max_steps"
+        )
+    return int(estimate)
+
+
+def configure_muon_optimizers(module: nn.Module, config: MuonConfig | dict[str, Any] | None = None) -> dict:
+    """Build the hybrid ``Muon`` and its step-wise scheduler for ``module``.
+
+    Returns Lightning's optimizer config: ``{"optimizer": Muon, "lr_scheduler": {"scheduler":
+    MuonScheduler, "interval": "step", "frequency": 1, "name": "muon"}}``. The routing report
+    is logged on rank zero.
+    """
+    config = MuonConfig.from_any(config)
+    groups = route_parameters(module, **config.routing_kwargs())
+    rank_zero_info(groups.report())
+    optimizer = Muon(groups, **config.optimizer_kwargs())
+    scheduler = MuonScheduler(optimizer, config.lr_schedule(_total_steps(config, module)), config.momentum_warmup())
+    return {
+        "optimizer": optimizer,
+        "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1, "name": "muon"},
+    }
+
+
+class MuonModuleMixin:
+    """Gives a LightningModule ``configure_optimizers`` with Muon; list it before LightningModule.
+
+    The config is read from, in order: ``self.muon_config`` (a ``MuonConfig`` or a dict of its
+    fields), ``self.hparams["muon_config"]``, ``self.hparams["muon"]``; otherwise defaults.
+
+    Example::
+
+        class MyModel(MuonModuleMixin, L.LightningModule):
+            def __init__(self, muon_config: MuonConfig | None = None):
+                super().__init__()
+                self.save_hyperparameters()
+    """
+
+    muon_config: MuonConfig | dict[str, Any] | None = None
+
+    def __init_subclass__(cls, **kwargs: Any) -> None:
+        super().__init_subclass__(**kwargs)
+        mro = cls.__mro__
+        if pl.LightningModule in mro and mro.index(pl.LightningModule) < mro.index(MuonModuleMixin):
+            owner = next(c for c in mro if "configure_optimizers" in vars(c))
+            if owner is pl.LightningModule:
+                raise TypeError(
+                    f"{cls.__name__}: list MuonModuleMixin before LightningModule in the bases, "
+                    "or LightningModule.configure_optimizers hides the mixin's"
+                )
+
+    def resolve_muon_config(self) -> MuonConfig:
+        """The ``MuonConfig`` this module trains with."""
+        if self.muon_config is not None:
+            return MuonConfig.from_any(self.muon_config)
+        hparams = getattr(self, "hparams", {})
+        for key in ("muon_config", "muon"):
+            if key in hparams and hparams[key] is not None:
+                return MuonConfig.from_any(hparams[key])
+        return MuonConfig()
+
+    def configure_optimizers(self) -> dict:
+        return configure_muon_optimizers(self, self.resolve_muon_config())  # type: ignore[arg-type]
+
+
+def build_optimizers(
+    params: nn.Module | Iterable[Tensor] | Iterable[dict[str, Any]], config: MuonConfig | dict[str, Any] | None = None
+) -> list[Muon]:
+    """One optimizer per algorithm (Muon first, then AdamW, then Lion), for manual optimization.
+
+    ``params`` is a module (routed by the config's rules), a flat parameter list (matrices to
+    Muon, the rest to AdamW) or param-group dicts. Each optimizer is a ``Muon`` holding only
+    groups of one algorithm; an AdamW-only one steps exactly like ``torch.optim.AdamW``.
+    """
+    config = MuonConfig.from_any(config)
+    if isinstance(params, nn.Module):
+        groups = list(route_parameters(params, **config.routing_kwargs()))
+    else:
+        groups = _as_groups(params)
+    optimizers = []
+    for algorithm in ("muon", "adamw", "lion"):
+        chosen = [g for g in groups if g.get("algorithm", algorithm) == algorithm]
+        if chosen:
+            optimizers.append(Muon(chosen, **config.optimizer_kwargs()))
+    return optimizers
+
+
+def build_schedulers(
+    optimizers: Iterable[torch.optim.Optimizer],
+    config: MuonConfig | dict[str, Any] | None = None,
+    total_steps: int | None = None,
+) -> list[MuonScheduler]:
+    """One ``MuonScheduler`` per optimizer, all following the same lr schedule and momentum warmup."""
+    config = MuonConfig.from_any(config)
+    total = total_steps if total_steps is not None else config.total_steps
+    schedule = config.lr_schedule(total)
+    return [MuonScheduler(opt, schedule, config.momentum_warmup()) for opt in optimizers]

@@ -1,0 +1,305 @@
+"""Routing parameters to algorithms: ordered, named rules; the first match wins.
+
+``route_parameters(module)`` walks ``module.named_parameters()`` and gives every
+trainable parameter to the first rule that matches it. User rules come first,
+then the default rules:
+
+1. ``embedding``: weights of ``nn.Embedding`` modules, and anything tied to one
+   -> AdamW (group ``adamw``).
+2. ``output_head``: the head -> AdamW (group ``adamw``): the parameters of
+   ``module.get_output_embeddings()`` when the module has it, else a Linear whose
+   attribute name is one of ``head_names``, else (``head_by_position``) the last
+   ``nn.Linear`` registered in the module.
+3. ``vectors``: 1-D and 0-D parameters (biases, norms, scalars) -> AdamW without
+   weight decay (group ``adamw_no_decay``).
+4. ``aspect_ratio`` (only with ``max_aspect_ratio``): matrices whose long side is
+   more than that many times the short side -> AdamW.
+5. ``hidden_matrices``: every other parameter (>= 2 dims) -> Muon (group ``muon``).
+
+Frozen parameters (``requires_grad=False``) are left out. Within a rule, several
+values of one matcher are alternatives (any glob may match); different matchers
+must all match (a name glob AND a module type).
+"""
+
+from __future__ import annotations
+
+import fnmatch
+import functools
+import importlib
+import re
+import warnings
+from collections.abc import Callable, Iterable
+from dataclasses import dataclass, field
+from typing import Any
+
+from torch import Tensor, nn
+
+__all__ = ["DEFAULT_HEAD_NAMES", "ParamGroups", "Rule", "route_parameters"]
+
+ALGORITHMS = ("muon", "adamw", "lion")
+DEFAULT_HEAD_NAMES = ("lm_head", "head", "output", "output_layer", "output_projection", "classifier", "fc_out")
+
+
+def _as_tuple(value: Any) -> tuple:
+    if value is None:
+        return ()
+    if isinstance(value, (str, type)) or callable(value):
+        return (value,)
+    return tuple(value)
+
+
+@functools.cache
+def _import(path: str) -> Any:
+    module_name, _, attr = path.rpartition(".")
+    return getattr(importlib.import_module(module_name), attr)
+
+
+def _check_importable(value: Any, what: str, rule: str) -> None:
+    if value is None or callable(value) or isinstance(value, type):
+        return
+    if not isinstance(value, str) or "." not in value:
+        raise ValueError(f"Rule {rule!r}: {what} must be a callable or a dotted import path, got {value!r}")
+    try:
+        _import(value)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"Rule {rule!r}: {what} {value!r} cannot be imported: {err}") from None
+
+
+def _call(fn: Callable | str, *args: Any) -> bool:
+    return bool((_import(fn) if isinstance(fn, str) else fn)(*args))
+
+
+@dataclass(frozen=True, kw_only=True)
+class Rule:
+    """One routing rule: which parameters it matches and where they go."""
+
+    name: str
+    """Rule name, shown in the routing report and in errors."""
+    algorithm: str
+    """``"muon"``, ``"adamw"`` or ``"lion"``."""
+    names: str | tuple[str, ...] = ()
+    """Glob patterns (``fnmatch``) on the full parameter name, e.g. ``"*.attn.qkv.weight"``."""
+    regex: str | None = None
+    """A regular expression searched in the full parameter name."""
+    module_types: str | type | tuple[str | type, ...] = ()
+    """The owning module's class, its name (``"LayerNorm"``) or a dotted path; subclasses match."""
+    attributes: str | tuple[str, ...] = ()
+    """Parameter attributes; the rule matches when any is set and truthy (Megatron's ``attr``)."""
+    min_ndim: int | None = None
+    """Match only parameters with at least this many dims."""
+    max_ndim: int | None = None
+    """Match only parameters with at most this many dims."""
+    predicate: Callable[[Tensor], bool] | str | None = None
+    """``fn(param) -> bool`` or a dotted import path to one."""
+    named_predicate: Callable[[Tensor, str], bool] | str | None = None
+    """``fn(param, name) -> bool`` or a dotted import path to one."""
+    group: str | None = None
+    """Param group name; defaults to the rule's name. Rules may share a group if they agree."""
+    options: dict[str, Any] = field(default_factory=dict)
+    """Per-group hyperparameters (``lr``, ``weight_decay``, ``split_sizes``, ...)."""
+
+    def __post_init__(self) -> None:
+        if not isinstance(self.name, str) or not self.name:
+            raise ValueError(f"Rule.name must be a non-empty string, got {self.name!r}")
+        if self.algorithm not in ALGORITHMS:
+            raise ValueError(f"Rule {self.name!r}: algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        if self.regex is not None:
+            try:
+                re.compile(self.regex)
+            except re.error as err:
+                raise ValueError(f"Rule {self.name!r}: regex {self.regex!r} is invalid: {err}") from None
+        if not isinstance(self.options, dict):
+            raise ValueError(f"Rule {self.name!r}: options must be a dict, got {self.options!r}")
+        if "params" in self.options or "algorithm" in self.options:
+            raise ValueError(f"Rule {self.name!r}: options may not set 'params' or 'algorithm'")
+        # Dotted paths stay strings (checkpoints keep plain data); they are imported on use.
+        _check_importable(self.predicate, "predicate", self.name)
+        _check_importable(self.named_predicate, "named_predicate", self.name)
+        for t in _as_tuple(self.module_types):
+            if isinstance(t, str) and "." in t:
+                _check_importable(t, "module_types entry", self.name)
+            elif not isinstance(t, (str, type)):
+                raise ValueError(f"Rule {self.name!r}: module_types entries must be classes or names, got {t!r}")
+
+    @property
+    def group_name(self) -> str:
+        return self.group or self.name
+
+    def matches(self, param: Tensor, name: str, owner: nn.Module | None) -> bool:
+        """True when every matcher the rule sets accepts ``param`` (named ``name``)."""
+        names = _as_tuple(self.names)
+        if names and not any(fnmatch.fnmatchcase(name, pattern) for pattern in names):
+            return False
+        if self.regex is not None and re.search(self.regex, name) is None:
+            return False
+        types = _as_tuple(self.module_types)
+        if types and not _owner_matches(owner, types):
+            return False
+        attributes = _as_tuple(self.attributes)
+        if attributes and not any(getattr(param, a, False) for a in attributes):
+            return False
+        if self.min_ndim is not None and param.ndim < self.min_ndim:
+            return False
+        if self.max_ndim is not None and param.ndim > self.max_ndim:
+            return False
+        if self.predicate is not None and not _call(self.predicate, param):
+            return False
+        return self.named_predicate is None or _call(self.named_predicate, param, name)
+
+
+def _owner_matches(owner: nn.Module | None, types: tuple) -> bool:
+    if owner is None:
+        return False
+    mro_names = {cls.__name__ for cls in type(owner).__mro__}
+
+    def one(t: str | type) -> bool:
+        if isinstance(t, str) and "." in t:
+            t = _import(t)
+        return isinstance(owner, t) if isinstance(t, type) else t in mro_names
+
+    return any(one(t) for t in types)
+
+
+class ParamGroups(list):
+    """The param-group dicts ``Muon`` takes, plus ``assignments`` and ``report()``."""
+
+    def __init__(self, groups: Iterable[dict[str, Any]], assignments: dict[str, str]) -> None:
+        super().__init__(groups)
+        self.assignments = assignments
+        """Parameter name -> the rule that routed it."""
+
+    def report(self, max_examples: int = 3) -> str:
+        """A table: group, algorithm, tensors, elements, example parameter names."""
+        rows = [("group", "algorithm", "tensors", "elements", "examples")]
+        for g in self:
+            names = g.get("param_names", [])
+            examples = ", ".join(names[:max_examples]) + (", ..." if len(names) > max_examples else "")
+            rows.append(
+                (g["name"], g["algorithm"], str(len(g["params"])), f"{sum(p.numel() for p in g['params']):,}", examples)
+            )
+        widths = [max(len(r[i]) for r in rows) for i in range(4)]
+        lines = ["  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] for r in rows]
+        return "Muon routing\n" + "\n".join(lines)
+
+
+def _head_params(module: nn.Module, head_names: tuple[str, ...], by_position: bool) -> set[int]:
+    for sub in module.modules():  # the model itself, or the first submodule that knows its head
+        get_head = getattr(sub, "get_output_embeddings", None)
+        head = get_head() if callable(get_head) else None
+        if isinstance(head, nn.Module):
+            return {id(p) for p in head.parameters()}
+    linears = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)]
+    named = [m for name, m in linears if name.rsplit(".", 1)[-1] in head_names]
+    if named:
+        return {id(p) for m in named for p in m.parameters()}
+    if by_position and linears:
+        return {id(p) for p in linears[-1][1].parameters()}
+    return set()
+
+
+def _default_rules(max_aspect_ratio: float | None, embedding_ids: set[int], head_ids: set[int]) -> list[Rule]:
+    rules = [
+        Rule(name="embedding", algorithm="adamw", group="adamw", predicate=lambda p: id(p) in embedding_ids),
+        Rule(name="output_head", algorithm="adamw", group="adamw", predicate=lambda p: id(p) in head_ids),
+        Rule(name="vectors", algorithm="adamw", group="adamw_no_decay", max_ndim=1, options={"weight_decay": 0.0}),
+    ]
+    if max_aspect_ratio is not None:
+        rules.append(
+            Rule(
+                name="aspect_ratio",
+                algorithm="adamw",
+                group="adamw",
+                predicate=lambda p: max(p.shape[0], p[0].numel()) > max_aspect_ratio * min(p.shape[0], p[0].numel()),
+            )
+        )
+    rules.append(Rule(name="hidden_matrices", algorithm="muon", group="muon", min_ndim=2))
+    return rules
+
+
+def route_parameters(
+    module: nn.Module,
+    rules: Iterable[Rule | dict[str, Any]] | None = None,
+    *,
+    default_rules: bool = True,
+    max_aspect_ratio: float | None = None,
+    head_names: Iterable[str] = DEFAULT_HEAD_NAMES,
+    head_by_position: bool = True,
+    scalar_algorithm: str = "adamw",
+) -> ParamGroups:
+    """Split ``module``'s trainable parameters into named param groups by ordered rules.
+
+    Args:
+        module: the model.
+        rules: user rules (``Rule`` or dicts of its fields), tried before the defaults.
+        default_rules: append the default rules of this module's docstring.
+        max_aspect_ratio: send matrices more rectangular than this to AdamW.
+        head_names: attribute names that mark a Linear as the output head.
+        head_by_position: with no named head, treat the last ``nn.Linear`` as the head.
+        scalar_algorithm: ``"adamw"`` or ``"lion"`` for the default rules' non-Muon groups.
+
+    Returns:
+        ``ParamGroups``: dicts with ``params``, ``param_names``, ``algorithm``, ``name`` and the
+        rule's options, in first-use order, with ``report()``.
+
+    Raises:
+        ValueError: a bad rule; a parameter no rule matches; a user rule sending a
+            1-D parameter to Muon; two rules sharing a group with different settings.
+    """
+    if scalar_algorithm not in ("adamw", "lion"):
+        raise ValueError(f"scalar_algorithm must be 'adamw' or 'lion', got {scalar_algorithm!r}")
+    if max_aspect_ratio is not None and not max_aspect_ratio >= 1:
+        raise ValueError(f"max_aspect_ratio must be >= 1 or None, got {max_aspect_ratio!r}")
+    user_rules = [r if isinstance(r, Rule) else Rule(**r) for r in (rules or [])]
+    owners = {id(p): m for m in module.modules() for p in m.parameters(recurse=False)}
+    embedding_ids = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    head_ids = _head_params(module, tuple(head_names), head_by_position)
+    defaults = _default_rules(max_aspect_ratio, embedding_ids, head_ids) if default_rules else []
+    if scalar_algorithm == "lion":
+        defaults = [_with_algorithm(r, "lion") if r.algorithm == "adamw" else r for r in defaults]
+    user_names = {id(r) for r in user_rules}
+
+    groups: dict[str, dict[str, Any]] = {}
+    settings: dict[str, tuple[str, dict]] = {}
+    assignments: dict[str, str] = {}
+    for name, p in module.named_parameters():
+        if not p.requires_grad:
+            continue
+        rule = next((r for r in (*user_rules, *defaults) if r.matches(p, name, owners.get(id(p)))), None)
+        if rule is None:
+            raise ValueError(f"route_parameters: no rule matches parameter {name!r} of shape {tuple(p.shape)}")
+        if rule.algorithm == "muon":
+            if p.ndim < 2:
+                raise ValueError(
+                    f"route_parameters: rule {rule.name!r} sends the {p.ndim}-D parameter {name!r} to Muon; "
+                    "Muon needs matrices"
+                )
+            if id(rule) in user_names and (id(p) in embedding_ids or id(p) in head_ids):
+                kind = "embedding" if id(p) in embedding_ids else "output head"
+                warnings.warn(
+                    f"route_parameters: rule {rule.name!r} sends the {kind} {name!r} to Muon; "
+                    "embeddings and heads usually train better with AdamW",
+                    UserWarning,
+                    stacklevel=2,
+                )
+        group_name = rule.group_name
+        setting = (rule.algorithm, rule.options)
+        if settings.setdefault(group_name, setting) != setting:
+            raise ValueError(
+                f"route_parameters: rules disagree on group {group_name!r}: "
+                f"{settings[group_name]} vs {setting} (from rule {rule.name!r})"
+            )
+        group = groups.setdefault(
+            group_name,
+            {"params": [], "param_names": [], "algorithm": rule.algorithm, "name": group_name, **rule.options},
+        )
+        group["params"].append(p)
+        group["param_names"].append(name)
+        assignments[name] = rule.name
+    if not groups:
+        raise ValueError("route_parameters: the module has no trainable parameters")
+    return ParamGroups(groups.values(), assignments)
+
+
+def _with_algorithm(rule: Rule, algorithm: str) -> Rule:
+    group = rule.group_name.replace("adamw", algorithm)
+    return Rule(**{**{f: getattr(rule, f) for f in rule.__dataclass_fields__}, "algorithm": algorithm, "group": group})

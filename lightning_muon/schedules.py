@@ -1,0 +1,177 @@
+"""Learning-rate and Muon-momentum schedules as pure functions of the optimizer step.
+
+An lr schedule is a multiplier of every group's base lr, so the AdamW groups keep
+their ratio to the Muon groups as it moves. Its phases, for step ``s`` (0-based,
+the number of optimizer steps already taken)::
+
+    warmup   s < W          (s + 1) / W
+    stable   s < W + S      1
+    falloff  the rest       shape(progress) from 1 down to min_lr_ratio
+
+Falloff shapes: ``constant``, ``linear``, ``cosine``, ``wsd`` (stable until the
+last ``cooldown`` steps, then linear to ``min_lr_ratio``: warmup-stable-decay) and
+``inverse_sqrt`` (``sqrt((W + S) / (s + 1))``, floored at ``min_lr_ratio``).
+Momentum warmup moves Muon's momentum linearly from ``start`` to each group's
+own momentum over ``steps``.
+"""
+
+from __future__ import annotations
+
+import math
+from dataclasses import asdict, dataclass
+from typing import Any
+
+from torch.optim import Optimizer
+from torch.optim.lr_scheduler import LRScheduler
+
+__all__ = ["FALLOFFS", "LRSchedule", "MomentumWarmup", "MuonScheduler", "lr_multiplier", "momentum_at", "steps_of"]
+
+FALLOFFS = ("constant", "linear", "cosine", "wsd", "inverse_sqrt")
+
+
+def steps_of(value: float, total: int | None, name: str) -> int:
+    """A phase length given as steps (``>= 1``, or 0) or as a fraction of ``total`` (``< 1``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a number of steps or a fraction in [0, 1), got {value!r}")
+    if 0 < value < 1:
+        if total is None:
+            raise ValueError(f"{name}={value} is a fraction of the total steps, but total_steps is unknown")
+        return int(round(value * total))
+    if value != int(value):
+        raise ValueError(f"{name} must be a whole number of steps or a fraction in (0, 1), got {value!r}")
+    return int(value)
+
+
+@dataclass(frozen=True, kw_only=True)
+class LRSchedule:
+    """A resolved lr schedule: every phase in steps. Build with ``LRSchedule.create``."""
+
+    falloff: str = "constant"
+    warmup_steps: int = 0
+    stable_steps: int = 0
+    total_steps: int | None = None
+    min_lr_ratio: float = 0.0
+
+    @classmethod
+    def create(
+        cls,
+        falloff: str = "constant",
+        *,
+        warmup: float = 0,
+        stable: float = 0,
+        cooldown: float = 0.2,
+        total_steps: int | None = None,
+        min_lr_ratio: float = 0.0,
+    ) -> LRSchedule:
+        """Resolve phase lengths given in steps or fractions of ``total_steps``.
+
+        ``cooldown`` is only used by ``wsd``: its stable phase is everything between
+        the warmup and the last ``cooldown`` steps.
+        """
+        if falloff not in FALLOFFS:
+            raise ValueError(f"falloff must be one of {FALLOFFS}, got {falloff!r}")
+        if total_steps is not None and (
+            isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1
+        ):
+            raise ValueError(f"total_steps must be a positive int or None, got {total_steps!r}")
+        if falloff in ("linear", "cosine", "wsd") and total_steps is None:
+            raise ValueError(f"falloff={falloff!r} needs total_steps")
+        if not (isinstance(min_lr_ratio, (int, float)) and 0.0 <= min_lr_ratio <= 1.0):
+            raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}")
+        warmup_steps = steps_of(warmup, total_steps, "warmup")
+        stable_steps = steps_of(stable, total_steps, "stable")
+        if falloff == "wsd":
+            stable_steps = max(0, total_steps - warmup_steps - steps_of(cooldown, total_steps, "cooldown"))
+        if total_steps is not None and warmup_steps + stable_steps > total_steps:
+            raise ValueError(
+                f"warmup ({warmup_steps}) + stable ({stable_steps}) steps exceed total_steps ({total_steps})"
+            )
+        return cls(
+            falloff="linear" if falloff == "wsd" else falloff,
+            warmup_steps=warmup_steps,
+            stable_steps=stable_steps,
+            total_steps=total_steps,
+            min_lr_ratio=float(min_lr_ratio),
+        )
+
+
+def lr_multiplier(step: int, schedule: LRSchedule) -> float:
+    """The factor on every base lr at optimizer step ``step`` (0-based)."""
+    w, s = schedule.warmup_steps, schedule.stable_steps
+    if step < w:
+        return (step + 1) / w
+    if step < w + s or schedule.falloff == "constant":
+        return 1.0
+    low = schedule.min_lr_ratio
+    if schedule.falloff == "inverse_sqrt":
+        return max(low, math.sqrt(max(1, w + s) / (step + 1)))
+    decay_steps = max(1, schedule.total_steps - w - s)
+    progress = min(1.0, (step - w - s) / decay_steps)
+    if schedule.falloff == "linear":
+        return 1.0 - (1.0 - low) * progress
+    return low + (1.0 - low) * 0.5 * (1.0 + math.cos(math.pi * progress))  # cosine
+
+
+@dataclass(frozen=True, kw_only=True)
+class MomentumWarmup:
+    """Muon momentum from ``start`` to the group's own momentum over ``steps`` steps."""
+
+    start: float = 0.85
+    steps: int = 0
+
+    def __post_init__(self) -> None:
+        if not (isinstance(self.start, (int, float)) and 0.0 <= self.start < 1.0):
+            raise ValueError(f"momentum_warmup start must be in [0, 1), got {self.start!r}")
+        if isinstance(self.steps, bool) or not isinstance(self.steps, int) or self.steps < 0:
+            raise ValueError(f"momentum_warmup steps must be an int >= 0, got {self.steps!r}")
+
+
+def momentum_at(step: int, target: float, warmup: MomentumWarmup) -> float:
+    """Muon momentum at optimizer step ``step`` for a group whose momentum is ``target``."""
+    if warmup.steps == 0 or step >= warmup.steps:
+        return target
+    return warmup.start + (target - warmup.start) * step / warmup.steps
+
+
+class MuonScheduler(LRScheduler):
+    """Drives every group's lr by one ``LRSchedule`` and Muon groups' momentum by a warmup.
+
+    Its state (the step, base lrs and momenta, and the schedule itself) is made of
+    plain numbers, so it survives ``torch.load(weights_only=True)`` in checkpoints.
+    """
+
+    def __init__(
+        self,
+        optimizer: Optimizer,
+        schedule: LRSchedule,
+        momentum_warmup: MomentumWarmup | None = None,
+        last_epoch: int = -1,
+    ) -> None:
+        self.schedule = schedule
+        self.momentum_warmup = momentum_warmup or MomentumWarmup()
+        self.base_momenta = [
+            g.get("momentum") if g.get("algorithm") == "muon" else None for g in optimizer.param_groups
+        ]
+        super().__init__(optimizer, last_epoch)
+
+    def get_lr(self) -> list[float]:
+        factor = lr_multiplier(self.last_epoch, self.schedule)
+        return [base * factor for base in self.base_lrs]
+
+    def step(self, epoch: int | None = None) -> None:
+        super().step(epoch)
+        for group, target in zip(self.optimizer.param_groups, self.base_momenta):
+            if target is not None:
+                group["momentum"] = momentum_at(self.last_epoch, target, self.momentum_warmup)
+
+    def state_dict(self) -> dict[str, Any]:
+        state = {k: v for k, v in self.__dict__.items() if k not in ("optimizer", "schedule", "momentum_warmup")}
+        state["schedule"] = asdict(self.schedule)
+        state["momentum_warmup"] = asdict(self.momentum_warmup)
+        return state
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        state = dict(state_dict)
+        self.schedule = LRSchedule(**state.pop("schedule"))
+        self.momentum_warmup = MomentumWarmup(**state.pop("momentum_warmup"))
+        self.__dict__.update(state)
