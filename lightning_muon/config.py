@@ -10,7 +10,7 @@ import torch
 
 from lightning_muon.muon import Muon
 from lightning_muon.routing import DEFAULT_HEAD_NAMES, Rule
-from lightning_muon.schedules import FALLOFFS, LRSchedule, MomentumWarmup
+from lightning_muon.schedules import FALLOFFS, LRSchedule, MomentumWarmup, steps_of
 
 __all__ = ["MuonConfig"]
 
@@ -111,7 +111,7 @@ class MuonConfig:
     """Muon momentum at step 0 when warming up."""
 
     def __post_init__(self) -> None:
-        self.rules = [r if isinstance(r, Rule) else Rule(**_plain(r)) for r in self.rules]
+        self.rules = [_rule(i, r) for i, r in enumerate(self.rules)]
         self.head_names = tuple(self.head_names)
         self.adamw_betas = tuple(self.adamw_betas)
         self.lion_betas = tuple(self.lion_betas)
@@ -123,15 +123,29 @@ class MuonConfig:
             raise ValueError(f"MuonConfig.falloff must be one of {FALLOFFS}, got {self.falloff!r}")
         if self.max_aspect_ratio is not None and not self.max_aspect_ratio >= 1:
             raise ValueError(f"MuonConfig.max_aspect_ratio must be >= 1 or None, got {self.max_aspect_ratio!r}")
-        # The optimizer validates its own knobs: build one on a dummy matrix and re-raise
-        # with the field name in front.
+        # The optimizer validates its own knobs, but its messages say "lr" or "betas[0]" for
+        # the Muon, AdamW and Lion defaults alike: build one per field, on a dummy matrix,
+        # so the error names the field.
+        for name in _OPTIMIZER_FIELDS:
+            try:
+                Muon([torch.zeros(2, 2, requires_grad=True)], **{name: getattr(self, name)})
+            except ValueError as err:
+                raise ValueError(f"MuonConfig.{name}: {err}") from None
+        total = self.total_steps if self.total_steps is not None else 1_000_000
+        checks = {
+            "momentum_warmup_start": lambda: MomentumWarmup(start=self.momentum_warmup_start),
+            "momentum_warmup_steps": lambda: MomentumWarmup(steps=self.momentum_warmup_steps),
+            # Only ``wsd`` reads it, but a bad value is a mistake under any falloff.
+            "cooldown": lambda: steps_of(self.cooldown, total, "cooldown"),
+        }
+        for name, check in checks.items():
+            try:
+                check()
+            except ValueError as err:
+                raise ValueError(f"MuonConfig.{name}: {err}") from None
         try:
             Muon([torch.zeros(2, 2, requires_grad=True)], **self.optimizer_kwargs())
-        except ValueError as err:
-            raise ValueError(f"MuonConfig: {err}") from None
-        try:
-            MomentumWarmup(start=self.momentum_warmup_start, steps=self.momentum_warmup_steps)
-            self.lr_schedule(self.total_steps if self.total_steps is not None else 1_000_000)
+            self.lr_schedule(total)
         except ValueError as err:
             raise ValueError(f"MuonConfig: {err}") from None
 
@@ -186,6 +200,15 @@ class MuonConfig:
             for r in self.rules
         ]
         return out
+
+
+def _rule(index: int, value: Rule | dict[str, Any]) -> Rule:
+    if isinstance(value, Rule):
+        return value
+    try:
+        return Rule(**_plain(value))
+    except (TypeError, ValueError) as err:  # TypeError: an unknown or missing field
+        raise ValueError(f"MuonConfig.rules[{index}]: {err}") from None
 
 
 def _plain(value: Any) -> dict[str, Any]:

@@ -130,7 +130,9 @@ class Muon(Optimizer):
             ),
         }
         for algorithm, defaults in self._algorithm_defaults.items():
-            _validate_hparams(defaults, algorithm, where="Muon()")
+            # Errors name the keyword the user passed: adamw_eps, lion_betas, ...
+            prefix = "" if algorithm == "muon" else f"{algorithm}_"
+            _validate_hparams(defaults, algorithm, where="Muon()", prefix=prefix)
         # Only keys every group has live in ``defaults``: Optimizer copies them into each
         # group, and LearningRateMonitor would read ``betas`` from every group if it were here.
         super().__init__(_as_groups(params), {"momentum": momentum})
@@ -196,7 +198,9 @@ class Muon(Optimizer):
     def _collect(self, index: int, group: dict) -> tuple[list[Tensor], list[Tensor]]:
         params, grads = [], []
         for j, p in enumerate(group["params"]):
-            if p.grad is None:
+            # An empty tensor (a zero-width layer) has nothing to update; skipping it also keeps
+            # it out of the inf-norm check and the adjust_lr ratio, which both fail on size 0.
+            if p.grad is None or p.numel() == 0:
                 continue
             if p.grad.is_sparse:
                 raise ValueError(f"param group {index}, parameter {j}: sparse gradients are not supported")
@@ -348,9 +352,9 @@ def _check_number(
         raise ValueError(f"{where}: {name} must be a finite number in {lo}{low}, {high}{hi}, got {value!r}")
 
 
-def _validate_hparams(group: dict[str, Any], algorithm: str, where: str) -> None:
-    _check_number(group["lr"], "lr", where, 0.0)
-    _check_number(group["weight_decay"], "weight_decay", where, 0.0)
+def _validate_hparams(group: dict[str, Any], algorithm: str, where: str, prefix: str = "") -> None:
+    _check_number(group["lr"], f"{prefix}lr", where, 0.0)
+    _check_number(group["weight_decay"], f"{prefix}weight_decay", where, 0.0)
     if algorithm == "muon":
         _check_number(group["momentum"], "momentum", where, 0.0, 1.0, high_open=True)
         if not isinstance(group["nesterov"], bool):
@@ -368,12 +372,12 @@ def _validate_hparams(group: dict[str, Any], algorithm: str, where: str) -> None
         return
     betas = group["betas"]
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise ValueError(f"{where}: betas must be a pair (beta1, beta2), got {betas!r}")
+        raise ValueError(f"{where}: {prefix}betas must be a pair (beta1, beta2), got {betas!r}")
     for k, beta in enumerate(betas):
-        _check_number(beta, f"betas[{k}]", where, 0.0, 1.0, high_open=True)
+        _check_number(beta, f"{prefix}betas[{k}]", where, 0.0, 1.0, high_open=True)
     group["betas"] = tuple(betas)
     if algorithm == "adamw":
-        _check_number(group["eps"], "eps", where, 0.0, low_open=True)
+        _check_number(group["eps"], f"{prefix}eps", where, 0.0, low_open=True)
 
 
 def _validate_muon_params(group: dict[str, Any], params: list[Tensor], where: str) -> None:

@@ -319,6 +319,7 @@ def orthogonalize_many(
     ``BATCH_MAX_ELEMENTS`` elements each are stacked into one batched iteration;
     larger matrices run one by one. Inputs with batch dims are treated as one item.
     """
+    schedule, norm = resolve_coefficients(coefficients, steps)
     out: list[Tensor | None] = [None] * len(matrices)
     buckets: dict[tuple, list[int]] = {}
     for i, M in enumerate(matrices):
@@ -332,9 +333,12 @@ def orthogonalize_many(
         chunk = max(1, _STACK_MAX_ELEMENTS // (m * n))
         for start in range(0, len(idx), chunk):
             part = idx[start : start + chunk]
-            # (K, m, n): every matrix laid wide
-            wide = [matrices[i] if matrices[i].shape[0] == m else matrices[i].mT for i in part]
-            result = orthogonalize(torch.stack(wide), steps, coefficients, dtype)  # (K, m, n)
+            first = matrices[part[0]]
+            # One copy into the stack, cast to the work dtype and laid wide on the way.
+            X = first.new_empty(len(part), m, n, dtype=resolve_ns_dtype(dtype, first.device, first.dtype))
+            for k, i in enumerate(part):
+                X[k].copy_(matrices[i] if matrices[i].shape[0] == m else matrices[i].mT)
+            result = _newton_schulz_(X, schedule, norm).to(first.dtype)  # (K, m, n)
             for k, i in enumerate(part):
                 out[i] = result[k] if matrices[i].shape[0] == m else result[k].mT
     return out  # type: ignore[return-value]

@@ -4,14 +4,14 @@
 trainable parameter to the first rule that matches it. User rules come first,
 then the default rules:
 
-1. ``embedding``: weights of ``nn.Embedding`` modules, and anything tied to one
+1. ``vectors``: 1-D and 0-D parameters (biases, norms, scalars) -> AdamW without
+   weight decay (group ``adamw_no_decay``).
+2. ``embedding``: weights of ``nn.Embedding`` modules, and anything tied to one
    -> AdamW (group ``adamw``).
-2. ``output_head``: the head -> AdamW (group ``adamw``): the parameters of
+3. ``output_head``: the head -> AdamW (group ``adamw``): the parameters of
    ``module.get_output_embeddings()`` when the module has it, else a Linear whose
    attribute name is one of ``head_names``, else (``head_by_position``) the last
    ``nn.Linear`` registered in the module.
-3. ``vectors``: 1-D and 0-D parameters (biases, norms, scalars) -> AdamW without
-   weight decay (group ``adamw_no_decay``).
 4. ``aspect_ratio`` (only with ``max_aspect_ratio``): matrices whose long side is
    more than that many times the short side -> AdamW.
 5. ``hidden_matrices``: every other parameter (>= 2 dims) -> Muon (group ``muon``).
@@ -199,9 +199,10 @@ def _head_params(module: nn.Module, head_names: tuple[str, ...], by_position: bo
 
 def _default_rules(max_aspect_ratio: float | None, embedding_ids: set[int], head_ids: set[int]) -> list[Rule]:
     rules = [
+        # Vectors first, so that a head's bias goes without weight decay like every other bias.
+        Rule(name="vectors", algorithm="adamw", group="adamw_no_decay", max_ndim=1, options={"weight_decay": 0.0}),
         Rule(name="embedding", algorithm="adamw", group="adamw", predicate=lambda p: id(p) in embedding_ids),
         Rule(name="output_head", algorithm="adamw", group="adamw", predicate=lambda p: id(p) in head_ids),
-        Rule(name="vectors", algorithm="adamw", group="adamw_no_decay", max_ndim=1, options={"weight_decay": 0.0}),
     ]
     if max_aspect_ratio is not None:
         rules.append(

@@ -81,7 +81,12 @@ class LRSchedule:
         warmup_steps = steps_of(warmup, total_steps, "warmup")
         stable_steps = steps_of(stable, total_steps, "stable")
         if falloff == "wsd":
-            stable_steps = max(0, total_steps - warmup_steps - steps_of(cooldown, total_steps, "cooldown"))
+            cooldown_steps = steps_of(cooldown, total_steps, "cooldown")
+            if warmup_steps + cooldown_steps > total_steps:
+                raise ValueError(
+                    f"warmup ({warmup_steps}) + cooldown ({cooldown_steps}) steps exceed total_steps ({total_steps})"
+                )
+            stable_steps = total_steps - warmup_steps - cooldown_steps
         if total_steps is not None and warmup_steps + stable_steps > total_steps:
             raise ValueError(
                 f"warmup ({warmup_steps}) + stable ({stable_steps}) steps exceed total_steps ({total_steps})"

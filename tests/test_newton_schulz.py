@@ -1,0 +1,419 @@
+"""Newton-Schulz orthogonalization: schedules against a float64 SVD, batching, dtype policy."""
+
+from __future__ import annotations
+
+import math
+
+import pytest
+import torch
+from torch.testing import assert_close
+
+import lightning_muon.newton_schulz as ns
+from lightning_muon.newton_schulz import (
+    COEFFICIENTS,
+    NORMALIZATION,
+    bf16_matmul_is_fast,
+    ns_flops,
+    orthogonalize,
+    orthogonalize_many,
+    resolve_coefficients,
+    resolve_ns_dtype,
+)
+
+
+def with_spectrum(s: torch.Tensor, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, ...]:
+    """``(U, V, G)`` in float64 with ``G = U diag(s) V^T`` and orthonormal columns in U, V."""
+    gen = torch.Generator().manual_seed(seed)
+    k = min(rows, cols)
+    U, _ = torch.linalg.qr(torch.randn(rows, k, dtype=torch.float64, generator=gen))
+    V, _ = torch.linalg.qr(torch.randn(cols, k, dtype=torch.float64, generator=gen))
+    return U, V, U @ torch.diag(s.to(torch.float64)) @ V.T
+
+
+def scalar_map(name: str, steps: int, x: torch.Tensor) -> torch.Tensor:
+    """The composite polynomial a schedule applies to each normalized singular value."""
+    schedule, _ = resolve_coefficients(name, steps)
+    for a, b, c in schedule:
+        x = a * x + b * x**3 + c * x**5
+    return x
+
+
+def randn(*shape: int, seed: int = 0, dtype: torch.dtype = torch.float64) -> torch.Tensor:
+    return torch.randn(*shape, generator=torch.Generator().manual_seed(seed), dtype=torch.float64).to(dtype)
+
+
+# --------------------------------------------------------------------------- tables
+
+
+def test_coefficient_tables_are_complete_and_match_their_sources():
+    """Every schedule has a normalization, finite (a, b, c) tuples, and the published numbers."""
+    assert set(NORMALIZATION) == set(COEFFICIENTS)
+    for name, schedule in COEFFICIENTS.items():
+        assert schedule, name
+        assert all(len(abc) == 3 and all(math.isfinite(v) for v in abc) for abc in schedule), name
+    # torch.optim.Muon's constants (torch/optim/_muon.py: DEFAULT_A/B/C, 5 steps, EPS = 1e-7).
+    assert COEFFICIENTS["keller"] == [(3.4445, -4.7750, 2.0315)] * 5
+    assert NORMALIZATION["keller"] == (1.0, 1e-7)
+    assert COEFFICIENTS["polar_express"][0] == (8.156554524902461, -22.48329292557795, 15.878769915207462)
+    assert NORMALIZATION["polar_express"] == (1.02, 1e-6)
+    # Amsel et al.'s list: all but the last tuple divided by (1.01, 1.01^3, 1.01^5).
+    paper = COEFFICIENTS["polar_express_paper"]
+    assert len(paper) == 8
+    assert_close(
+        torch.tensor(paper[0], dtype=torch.float64),
+        torch.tensor(
+            [8.28721201814563 / 1.01, -23.595886519098837 / 1.01**3, 17.300387312530933 / 1.01**5],
+            dtype=torch.float64,
+        ),
+        atol=0,
+        rtol=1e-15,
+    )
+    assert paper[-1] == (1.875, -1.25, 0.375)
+    assert COEFFICIENTS["cubic"] == [(1.5, -0.5, 0.0)]
+
+
+def test_ns_flops_counts_three_matmuls_on_the_short_side():
+    """X X^T, A A and B X on an m x n matrix (m short): 2nm^2 + 2m^3 + 2nm^2 FLOPs per step."""
+    assert ns_flops(64, 256, 5) == 5 * (4 * 256 * 64**2 + 2 * 64**3)
+    assert ns_flops(256, 64, 5) == ns_flops(64, 256, 5)
+    assert ns_flops(64, 256, 3, cubic=True) == 3 * 4 * 256 * 64**2  # no A A term
+    assert ns_flops(64, 256, 1) <= 6 * 256 * 64**2  # DESIGN section 4: at most 6 n m^2
+
+
+# ----------------------------------------------------------------- accuracy vs SVD
+
+# schedule -> (steps, floor, lo, hi). "Relative singular value" is s_i / ||G||_F, what the
+# iteration starts from. The composite polynomial of each schedule, evaluated in float64 on
+# a grid of 200,001 points over [1e-5, 1] (and confirmed on 64x64, 48x96, 96x48 matrices),
+# maps inputs above `floor` into:
+#   keller  5 steps, floor 2e-3: [0.6818, 1.2024]   (Keller's "roughly [0.7, 1.2]")
+#   you     5 steps, floor 5e-3: [0.9778, 1.1115]
+#   polar_express        5 steps, floor 1e-3: [0.8466, 1.1411]
+#   polar_express_paper  8 steps, floor 1e-3: [1 - 3e-15, 1 + 3e-15]
+# The bands below add a margin of ~0.03 (1e-3 for the converged paper schedule), which
+# covers float32 rounding (~1e-5 here) but would catch a wrong coefficient or normalization.
+BANDS = {
+    "keller": (5, 2e-3, 0.65, 1.25),
+    "you": (5, 5e-3, 0.95, 1.15),
+    "polar_express": (5, 1e-3, 0.82, 1.17),
+    "polar_express_paper": (8, 1e-3, 0.999, 1.001),
+}
+
+
+def test_every_named_schedule_has_a_band_test():
+    """Adding a schedule to COEFFICIENTS without an accuracy test fails here."""
+    assert set(BANDS) | {"cubic"} == set(COEFFICIENTS)
+
+
+@pytest.mark.parametrize("name", sorted(BANDS))
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize(("rows", "cols", "scale"), [(64, 64, 1.0), (96, 48, 1e-3), (48, 96, 1e3)])
+def test_output_singular_values_lie_in_the_schedule_band(name, dtype, rows, cols, scale):
+    """For inputs above the floor, Q = U f(S) V^T with f(S) inside the schedule's band."""
+    steps, floor, lo, hi = BANDS[name]
+    k = min(rows, cols)
+    s = torch.logspace(-4, 0, k, dtype=torch.float64) * scale
+    U, V, G = with_spectrum(s, rows, cols, seed=rows + cols)
+    Q = orthogonalize(G.to(dtype), steps=steps, coefficients=name).to(torch.float64)
+    out = torch.diagonal(U.T @ Q @ V)  # the output singular value paired with each input one
+    rel = s / torch.linalg.vector_norm(s)
+    above = rel >= floor
+    assert 0 < int(above.sum()) < k  # the spectrum straddles the floor
+    assert lo <= out[above].min().item() and out[above].max().item() <= hi
+    # Below the floor the map is still positive and never overshoots the band.
+    assert out.min().item() > 0 and out.max().item() <= hi
+
+
+def test_cubic_converges_to_the_exact_polar_factor():
+    """Classic Newton-Schulz reaches U V^T on a well-conditioned input given enough steps."""
+    s = torch.logspace(-1, 0, 32, dtype=torch.float64)  # relative singular values >= 0.03
+    U, V, G = with_spectrum(s, 32, 80, seed=3)
+    # 1.5x per step lifts 0.03 to ~1 in 9 steps; quadratic convergence then takes it to
+    # the float64 floor well before 30 steps (measured error 2e-15).
+    Q = orthogonalize(G, steps=30, coefficients="cubic")
+    assert_close(Q, U @ V.T, atol=1e-12, rtol=0)
+    # ... and 5 steps are visibly not enough: cubic is the slow schedule.
+    assert (orthogonalize(G, steps=5, coefficients="cubic") - U @ V.T).abs().max() > 0.1
+
+
+def test_polar_express_is_more_accurate_than_you_and_keller_at_five_steps():
+    """Frobenius error against U V^T: Polar Express < you < keller, and PE <= 0.8 x keller."""
+    s = torch.logspace(-3, 0, 128, dtype=torch.float64)
+    U, V, G = with_spectrum(s, 128, 512, seed=4)
+    polar = U @ V.T
+    err = {
+        name: (torch.linalg.matrix_norm(orthogonalize(G, coefficients=name) - polar) / polar.norm()).item()
+        for name in ("polar_express", "you", "keller")
+    }
+    # Measured here 0.218 / 0.319 / 0.356 (DESIGN: 0.32 / 0.42 / 0.45 on 512x2048, whose
+    # relative singular values are smaller): the ratio PE/keller is ~0.61 at both sizes.
+    assert err["polar_express"] < err["you"] < err["keller"]
+    assert err["polar_express"] <= 0.8 * err["keller"]
+
+
+@pytest.mark.parametrize("name", sorted(COEFFICIENTS))
+@pytest.mark.parametrize(("rows", "cols"), [(40, 40), (24, 56), (56, 24)])
+def test_singular_vectors_are_preserved(name, rows, cols):
+    """U^T Q V is diagonal: the iteration changes singular values, never singular vectors."""
+    s = torch.logspace(-3, 0, min(rows, cols), dtype=torch.float64)
+    U, V, G = with_spectrum(s, rows, cols, seed=5)
+    Q = orthogonalize(G, coefficients=name)
+    core = U.T @ Q @ V
+    diag = torch.diagonal(core)
+    # Every step is a polynomial in X X^T times X, so in exact arithmetic U^T Q V is
+    # diagonal; in float64 the off-diagonal is rounding (measured <= 5e-15).
+    assert_close(core, torch.diag(diag), atol=1e-12, rtol=0)
+    assert_close(Q, U @ torch.diag(diag) @ V.T, atol=1e-12, rtol=0)
+    # The diagonal holds the singular values of Q (positive, in some order).
+    assert_close(torch.linalg.svdvals(Q), diag.sort(descending=True).values, atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------------- edge cases
+
+
+def test_orthogonalize_does_not_touch_its_input():
+    """The iteration works on a copy, for tall and wide inputs and when no cast is needed."""
+    for G in (randn(6, 10, dtype=torch.float32), randn(10, 6, dtype=torch.float64), randn(2, 5, 5)):
+        before = G.clone()
+        orthogonalize(G, dtype=G.dtype)
+        assert torch.equal(G, before)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("shape", [(6, 14), (3, 9, 4), (2, 3, 5, 8)])
+def test_wide_input_equals_tall_transposed(dtype, shape):
+    """orthogonalize(G^T) = orthogonalize(G)^T exactly: a tall matrix is iterated as its transpose."""
+    G = randn(*shape, seed=6, dtype=dtype)
+    assert torch.equal(orthogonalize(G.mT), orthogonalize(G).mT)
+
+
+def test_square_input_commutes_with_transpose_to_rounding():
+    """A square G is iterated on G G^T, its transpose on G^T G: equal up to rounding."""
+    G = randn(24, 24, seed=7)
+    # float64 Gram matrices in a different order; NS amplifies by at most its slope ~1e3.
+    assert_close(orthogonalize(G.mT), orthogonalize(G).mT, atol=1e-11, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64, torch.bfloat16])
+@pytest.mark.parametrize("shape", [(4, 4), (6, 3), (2, 3, 5)])
+def test_zero_matrix_gives_zeros(dtype, shape):
+    """The eps in the normalization keeps 0 / 0 out: zeros in, zeros out, no NaN."""
+    Q = orthogonalize(torch.zeros(shape, dtype=dtype))
+    assert Q.dtype == dtype and Q.shape == shape
+    assert torch.equal(Q, torch.zeros(shape, dtype=dtype))
+
+
+@pytest.mark.parametrize("name", ["polar_express", "keller"])
+@pytest.mark.parametrize("shape", [(1, 17), (17, 1), (1, 1), (3, 1, 9)])
+def test_vectors_are_normalized(name, shape):
+    """A 1 x n (or n x 1) matrix has one singular value ||G||: Q = f(1 / safety) G / ||G||."""
+    G = randn(*shape, seed=8)
+    Q = orthogonalize(G, coefficients=name)
+    norms = torch.linalg.matrix_norm(G, keepdim=True)
+    safety, eps = NORMALIZATION[name]
+    expected = scalar_map(name, 5, norms / (norms * safety + eps)) * G / norms
+    assert_close(Q, expected, atol=1e-12, rtol=0)
+    if name == "polar_express":  # unit norm up to the schedule's band
+        assert_close(torch.linalg.matrix_norm(Q), torch.ones(shape[:-2], dtype=torch.float64), atol=0.15, rtol=0)
+
+
+def test_empty_matrix_gives_empty_result():
+    """A matrix with a zero-size dim passes through with its shape."""
+    for shape in [(0, 5), (5, 0), (0, 3, 4)]:
+        Q = orthogonalize(torch.empty(shape))
+        assert Q.shape == shape
+
+
+def test_leading_batch_dims_equal_a_loop():
+    """A (2, 3, m, n) input is 6 independent matrices."""
+    G = randn(2, 3, 7, 11, seed=9)
+    looped = torch.stack([torch.stack([orthogonalize(G[i, j]) for j in range(3)]) for i in range(2)])
+    # bmm vs mm in float64: different blocking, NS slope ~1e3 on ~1e-16 rounding.
+    assert_close(orthogonalize(G), looped, atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize(("max_elements", "stack_max"), [(ns.BATCH_MAX_ELEMENTS, 1 << 26), (100, 1000)])
+def test_orthogonalize_many_equals_one_by_one(monkeypatch, max_elements, stack_max):
+    """Bucketed, stacked and chunked batches give what one call per matrix gives."""
+    # The second case lowers the thresholds so that the 12x12 matrices run one by one and
+    # the 6x10 bucket is split into chunks of 1000 // 60 = 16 matrices.
+    monkeypatch.setattr(ns, "BATCH_MAX_ELEMENTS", max_elements)
+    monkeypatch.setattr(ns, "_STACK_MAX_ELEMENTS", stack_max)
+    mats = [randn(6, 10, seed=i) for i in range(20)]
+    mats += [randn(10, 6, seed=100 + i) for i in range(5)]  # joins the 6x10 bucket transposed
+    mats += [randn(12, 12, seed=200), randn(12, 12, seed=201), randn(3, 4, 5, seed=300), torch.empty(0, 4)]
+    mats += [randn(6, 10, seed=400, dtype=torch.float32)]  # same shape, other dtype: its own bucket
+    out = orthogonalize_many(mats)
+    assert len(out) == len(mats)
+    for M, Q in zip(mats, out):
+        assert Q.shape == M.shape and Q.dtype == M.dtype
+        # float64 bmm vs mm differ at ~1e-16; float32 only stands alone, so exact is kept there.
+        assert_close(Q, orthogonalize(M), atol=1e-12, rtol=0)
+
+
+# ---------------------------------------------------------------------- schedules
+
+
+def test_explicit_coefficient_list_equals_named_schedule():
+    """keller as a name or as its (a, b, c) list: same numbers, same default normalization."""
+    G = randn(12, 20, seed=10)
+    assert torch.equal(orthogonalize(G, coefficients=COEFFICIENTS["keller"]), orthogonalize(G, coefficients="keller"))
+    assert torch.equal(
+        orthogonalize(G, coefficients=[list(abc) for abc in COEFFICIENTS["you"]]), orthogonalize(G, coefficients="you")
+    )
+
+
+def test_short_coefficient_list_repeats_its_last_tuple():
+    """[t1, t2] over 6 steps is t1, t2, t2, t2, t2, t2; a longer list is cut at ``steps``."""
+    t1, t2 = (3.0, -3.2, 1.2), (1.875, -1.25, 0.375)
+    G = randn(9, 15, seed=11)
+    short = orthogonalize(G, steps=6, coefficients=[t1, t2])
+    assert torch.equal(short, orthogonalize(G, steps=6, coefficients=[t1] + [t2] * 5))
+    assert not torch.equal(short, orthogonalize(G, steps=6, coefficients=[t1] * 6))
+    assert resolve_coefficients([t1, t2], 4)[0] == [t1, t2, t2, t2]
+    assert resolve_coefficients([t1, t2, t1], 2)[0] == [t1, t2]
+    # Named schedules extend the same way.
+    pe = COEFFICIENTS["polar_express"]
+    assert resolve_coefficients("polar_express", 7)[0] == pe + [pe[-1]] * 2
+    assert resolve_coefficients("polar_express", 3)[0] == pe[:3]
+
+
+# ----------------------------------------------------------------------- dtype policy
+
+
+@pytest.fixture
+def bf16_speed(monkeypatch):
+    """Set what the CPU capability check answers; the real cached answer is left alone."""
+
+    def set_fast(fast: bool) -> None:
+        monkeypatch.setattr(ns, "_cpu_has_fast_bf16", lambda: fast)
+
+    return set_fast
+
+
+@pytest.mark.parametrize("fast", [True, False])
+def test_auto_dtype_is_bf16_only_where_bf16_matmul_is_fast(bf16_speed, fast):
+    """None picks bf16 on a CPU with AVX512-BF16/AMX, float32 elsewhere; float64 stays float64."""
+    bf16_speed(fast)
+    expected = torch.bfloat16 if fast else torch.float32
+    assert bf16_matmul_is_fast("cpu") is fast
+    for input_dtype in (torch.float32, torch.bfloat16, torch.float16):
+        assert resolve_ns_dtype(None, "cpu", input_dtype) == expected
+    assert resolve_ns_dtype(None, "cpu", torch.float64) == torch.float64
+    # The choice reaches the iteration: the auto result is bitwise the explicit one.
+    G = randn(4, 6, seed=12, dtype=torch.float32)
+    auto = orthogonalize(G)
+    assert auto.dtype == torch.float32
+    assert torch.equal(auto, orthogonalize(G, dtype=expected))
+    assert not torch.equal(auto, orthogonalize(G, dtype=torch.float32 if fast else torch.bfloat16))
+
+
+@pytest.mark.parametrize("fast", [True, False])
+@pytest.mark.parametrize(
+    ("requested", "expected"),
+    [
+        ("bfloat16", torch.bfloat16),
+        ("bf16", torch.bfloat16),
+        (torch.bfloat16, torch.bfloat16),
+        ("float32", torch.float32),
+        ("fp32", torch.float32),
+        (torch.float32, torch.float32),
+        ("float64", torch.float64),
+        (torch.float16, torch.float16),
+    ],
+)
+def test_explicit_ns_dtype_is_honored(bf16_speed, fast, requested, expected):
+    """A named or torch dtype overrides the policy, whatever the hardware and input dtype."""
+    bf16_speed(fast)
+    for input_dtype in (torch.float32, torch.float64):
+        assert resolve_ns_dtype(requested, "cpu", input_dtype) == expected
+
+
+def test_float64_input_iterated_in_float32_on_request():
+    """dtype="float32" on a float64 input: float32 numbers, float64 output."""
+    G = randn(8, 12, seed=13)
+    Q = orthogonalize(G, dtype="float32")
+    assert Q.dtype == torch.float64
+    assert torch.equal(Q, orthogonalize(G.float(), dtype="float32").double())
+    assert not torch.equal(Q, orthogonalize(G))
+
+
+@pytest.mark.parametrize("input_dtype", [torch.float16, torch.bfloat16, torch.float32, torch.float64])
+@pytest.mark.parametrize("ns_dtype", [None, "float32", "bfloat16"])
+def test_output_dtype_is_input_dtype(input_dtype, ns_dtype):
+    """Whatever the iteration dtype, the result comes back in the input's dtype and shape."""
+    G = randn(2, 3, 5, seed=14, dtype=input_dtype)
+    Q = orthogonalize(G, dtype=ns_dtype)
+    assert Q.dtype == input_dtype and Q.shape == G.shape
+    assert bool(Q.isfinite().all())
+
+
+@pytest.fixture
+def fresh_cpu_check():
+    """Clear the cached CPU capability answer before and after, so no fake answer leaks."""
+    ns._cpu_has_fast_bf16.cache_clear()
+    yield
+    ns._cpu_has_fast_bf16.cache_clear()
+
+
+@pytest.mark.parametrize(
+    ("caps", "fast"),
+    [
+        ({"avx2": True, "avx512_bf16": False, "amx_bf16": False}, False),
+        ({"avx2": True, "avx512_bf16": True, "amx_bf16": False}, True),
+        ({"avx2": True, "avx512_bf16": False, "amx_bf16": True}, True),
+        ({}, False),
+    ],
+)
+def test_cpu_bf16_check_reads_cpu_capabilities(monkeypatch, fresh_cpu_check, caps, fast):
+    """AVX512-BF16 or AMX-BF16 means fast bf16 matmul; AVX2 alone does not."""
+    monkeypatch.setattr(torch._C._cpu, "_get_cpu_capability", lambda: caps)
+    assert bf16_matmul_is_fast("cpu") is fast
+    assert resolve_ns_dtype(None, torch.device("cpu"), torch.float32) == (torch.bfloat16 if fast else torch.float32)
+
+
+@pytest.mark.parametrize("supported", [True, False])
+def test_cuda_bf16_follows_torch_cuda(monkeypatch, supported):
+    """On CUDA the answer is torch.cuda.is_bf16_supported(); other devices say no."""
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: supported)
+    assert bf16_matmul_is_fast("cuda") is supported
+    assert bf16_matmul_is_fast("meta") is False
+
+
+# --------------------------------------------------------------------------- errors
+
+
+@pytest.mark.parametrize(
+    ("kwargs", "match"),
+    [
+        ({"steps": 0}, r"ns_steps must be a positive int, got 0"),
+        ({"steps": 1.5}, r"ns_steps must be a positive int, got 1\.5"),
+        ({"steps": True}, r"ns_steps must be a positive int, got True"),
+        ({"coefficients": "quintic"}, r"ns_coefficients: unknown schedule 'quintic'"),
+        ({"coefficients": []}, r"ns_coefficients must be a non-empty list of \(a, b, c\) tuples, got \[\]"),
+        ({"coefficients": [(1.5, -0.5)]}, r"ns_coefficients must be a non-empty list of \(a, b, c\) tuples"),
+        ({"coefficients": [(1.5, float("nan"), 0.0)]}, r"ns_coefficients must be finite numbers, got .*nan"),
+        ({"coefficients": [(1.5, "x", 0.0)]}, r"ns_coefficients must be a name in .* got .*'x'"),
+        ({"coefficients": (3.4445, -4.775, 2.0315)}, r"ns_coefficients must be a name in .* or a list of"),
+        ({"dtype": "int8"}, r"ns_dtype must be None, a torch dtype or one of .* got 'int8'"),
+        ({"dtype": torch.int32}, r"ns_dtype must be a floating torch dtype, got torch\.int32"),
+    ],
+)
+def test_orthogonalize_rejects_bad_arguments(kwargs, match):
+    """Bad steps, schedules and dtypes raise ValueError naming the argument and value."""
+    with pytest.raises(ValueError, match=match):
+        orthogonalize(randn(4, 6), **kwargs)
+
+
+@pytest.mark.parametrize(
+    ("G", "match"),
+    [
+        (torch.ones(5), r"G must be a tensor with at least 2 dims, got shape torch\.Size\(\[5\]\)"),
+        (torch.ones(3, 3, dtype=torch.int64), r"G must be a real floating tensor, got dtype torch\.int64"),
+        (torch.ones(3, 3, dtype=torch.complex64), r"G must be a real floating tensor, got dtype torch\.complex64"),
+    ],
+)
+def test_orthogonalize_rejects_bad_inputs(G, match):
+    """Vectors, integer and complex tensors are refused with their shape or dtype."""
+    with pytest.raises(ValueError, match=match):
+        orthogonalize(G)
