@@ -78,6 +78,10 @@ COEFFICIENTS: dict[str, list[Coefficients]] = {
         (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
         (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
         (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
+        # Not used at 5 steps. Repeating the 5th tuple would settle singular values at 1.035
+        # (its p(1) = 1.06); (1.875, -1.25, 0.375) has p(1) = 1 and p'(1) = 0, so extra steps
+        # converge to the exact polar factor (the paper schedule's own tail).
+        (1.875, -1.25, 0.375),
     ],
     "polar_express_paper": _paper_schedule(),
     # Classic cubic Newton-Schulz (Higham, "Functions of Matrices", 2008, eq. 8.20):
