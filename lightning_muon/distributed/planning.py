@@ -1,0 +1,100 @@
+"""Who orthogonalizes what: owner ranks for Muon matrices, balanced by Newton-Schulz FLOPs.
+
+Every rank builds the same plan from the same list of parameter shapes, so no
+communication is needed to agree on it. Longest-processing-time-first: matrices
+sorted by FLOPs (largest first, ties by index) each go to the least-loaded rank
+(ties by fewer elements, then lower rank). For a set of identical matrices this is
+round-robin; in general the most loaded rank carries at most 4/3 of the optimum.
+"""
+
+from __future__ import annotations
+
+from collections.abc import Sequence
+from dataclasses import dataclass
+
+import torch
+
+from lightning_muon.newton_schulz import ns_flops
+
+__all__ = ["OwnershipPlan", "matrix_shapes", "plan_ownership"]
+
+
+def matrix_shapes(
+    shape: Sequence[int], split_sizes: Sequence[int] | None = None, batched: bool = False
+) -> list[tuple[int, int]]:
+    """The (rows, cols) of every matrix Muon orthogonalizes for a parameter of ``shape``."""
+    shape = tuple(shape)
+    if batched:
+        count = 1
+        for d in shape[:-2]:
+            count *= d
+        return [tuple(shape[-2:])] * count
+    cols = 1
+    for d in shape[1:]:
+        cols *= d
+    if split_sizes:
+        return [(rows, cols) for rows in split_sizes]
+    return [(shape[0], cols)]
+
+
+@dataclass(frozen=True)
+class OwnershipPlan:
+    """``owners[i]`` is the rank that orthogonalizes parameter ``i``."""
+
+    owners: tuple[int, ...]
+    flops: tuple[int, ...]
+    """Newton-Schulz FLOPs per parameter."""
+    numels: tuple[int, ...]
+    """Elements per parameter."""
+    world_size: int
+
+    def owned(self, rank: int) -> list[int]:
+        """Indices of the parameters ``rank`` owns, in index order."""
+        return [i for i, r in enumerate(self.owners) if r == rank]
+
+    def load(self, rank: int) -> int:
+        """Newton-Schulz FLOPs of ``rank``."""
+        return sum(f for f, r in zip(self.flops, self.owners) if r == rank)
+
+    def elements(self, rank: int) -> int:
+        """Elements of the parameters ``rank`` owns."""
+        return sum(n for n, r in zip(self.numels, self.owners) if r == rank)
+
+
+def plan_ownership(
+    shapes: Sequence[Sequence[int]],
+    world_size: int,
+    ns_steps: int = 5,
+    split_sizes: Sequence[Sequence[int] | None] | None = None,
+    batched: Sequence[bool] | None = None,
+) -> OwnershipPlan:
+    """Assign each parameter (by shape) to an owner rank, balancing Newton-Schulz FLOPs.
+
+    Args:
+        shapes: the parameters' shapes, in a fixed order shared by every rank.
+        world_size: number of ranks.
+        ns_steps: Newton-Schulz steps (scales every cost alike; kept for reporting).
+        split_sizes: per parameter, its QKV-style split along dim 0, or None.
+        batched: per parameter, whether it is a batch of matrices.
+    """
+    if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
+        raise ValueError(f"world_size must be a positive int, got {world_size!r}")
+    n = len(shapes)
+    split_sizes = list(split_sizes) if split_sizes is not None else [None] * n
+    batched = list(batched) if batched is not None else [False] * n
+    if len(split_sizes) != n or len(batched) != n:
+        raise ValueError(f"split_sizes and batched need one entry per shape ({n})")
+    flops = tuple(
+        sum(ns_flops(r, c, ns_steps) for r, c in matrix_shapes(s, sp, b))
+        for s, sp, b in zip(shapes, split_sizes, batched)
+    )
+    numels = tuple(int(torch.Size(s).numel()) for s in shapes)
+    load = [0] * world_size
+    elements = [0] * world_size
+    owners = [0] * n
+    for i in sorted(range(n), key=lambda i: (-flops[i], i)):
+        rank = min(range(world_size), key=lambda r: (load[r], elements[r], r))
+        owners[i] = rank
+        load[rank] += flops[i]
+        elements[rank] += numels[i]
+    return OwnershipPlan(tuple(owners), flops, numels, world_size)

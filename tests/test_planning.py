@@ -1,0 +1,60 @@
+"""Owner planning: deterministic, FLOP-balanced, complete, and fine with more ranks than matrices."""
+
+from __future__ import annotations
+
+import pytest
+
+from lightning_muon.distributed.planning import matrix_shapes, plan_ownership
+from lightning_muon.newton_schulz import ns_flops
+
+
+def test_identical_matrices_go_round_robin():
+    plan = plan_ownership([(64, 64)] * 6, world_size=3)
+    assert plan.owners == (0, 1, 2, 0, 1, 2)
+    assert [plan.load(r) for r in range(3)] == [2 * ns_flops(64, 64, 5)] * 3
+
+
+def test_largest_first_onto_the_least_loaded_rank():
+    # FLOPs: (512, 128) >> (128, 128) x 3. LPT puts the big one alone on rank 0.
+    shapes = [(128, 128), (512, 128), (128, 128), (128, 128)]
+    plan = plan_ownership(shapes, world_size=2)
+    assert plan.owners[1] == 0
+    assert plan.owned(1) == [0, 2, 3]
+    assert plan.load(0) == ns_flops(512, 128, 5)
+    assert plan.load(1) == 3 * ns_flops(128, 128, 5)
+
+
+def test_every_parameter_has_exactly_one_owner_and_the_plan_is_deterministic():
+    shapes = [(96, 32), (32, 96), (64, 64), (16, 256), (128, 8), (48, 48), (8, 8)]
+    a = plan_ownership(shapes, world_size=3)
+    b = plan_ownership(list(shapes), world_size=3)
+    assert a == b
+    assert sorted(i for r in range(3) for i in a.owned(r)) == list(range(len(shapes)))
+    assert sum(a.load(r) for r in range(3)) == sum(a.flops)
+    # LPT bound: the busiest rank carries at most 4/3 of the perfect share or the largest job.
+    assert max(a.load(r) for r in range(3)) <= max(4 / 3 * sum(a.flops) / 3, max(a.flops))
+
+
+def test_more_ranks_than_matrices_leaves_ranks_empty():
+    plan = plan_ownership([(32, 32), (32, 32)], world_size=3)
+    assert plan.owned(2) == []
+    assert plan.load(2) == 0 and plan.elements(2) == 0
+
+
+def test_conv_split_and_batched_shapes_count_each_matrix():
+    assert matrix_shapes((8, 3, 3, 3)) == [(8, 27)]
+    assert matrix_shapes((96, 32), split_sizes=[32, 32, 32]) == [(32, 32)] * 3
+    assert matrix_shapes((4, 16, 8), batched=True) == [(16, 8)] * 4
+    plan = plan_ownership([(96, 32), (4, 16, 8)], world_size=2, split_sizes=[[32, 32, 32], None], batched=[False, True])
+    assert plan.flops == (3 * ns_flops(32, 32, 5), 4 * ns_flops(16, 8, 5))
+
+
+@pytest.mark.parametrize("world_size", [0, -1, 1.5, True])
+def test_bad_world_size(world_size):
+    with pytest.raises(ValueError, match="world_size must be a positive int"):
+        plan_ownership([(4, 4)], world_size=world_size)
+
+
+def test_per_parameter_options_must_match_the_shapes():
+    with pytest.raises(ValueError, match="one entry per shape"):
+        plan_ownership([(4, 4), (4, 4)], world_size=2, batched=[False])
