@@ -137,6 +137,8 @@ class Muon(Optimizer):
         # group, and LearningRateMonitor would read ``betas`` from every group if it were here.
         super().__init__(_as_groups(params), {"momentum": momentum})
 
+    _sharding = None  # a MuonSharding when Newton-Schulz is split across ranks
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = dict(param_group)
         params = group["params"]
@@ -183,6 +185,7 @@ class Muon(Optimizer):
         work = [(group, *self._collect(i, group)) for i, group in enumerate(self.param_groups)]
         if not self._grads_finite(work):
             return loss
+        sharding = self._sharding
         for group, params, grads in work:
             if not params:
                 continue
@@ -193,6 +196,8 @@ class Muon(Optimizer):
                 self._adamw_step(group, params, grads)
             else:
                 self._lion_step(group, params, grads)
+        if sharding is not None:
+            sharding.gather_parameters()  # every rank calls it, owner of matrices or not
         return loss
 
     def _collect(self, index: int, group: dict) -> tuple[list[Tensor], list[Tensor]]:
@@ -202,6 +207,8 @@ class Muon(Optimizer):
             # it out of the inf-norm check and the adjust_lr ratio, which both fail on size 0.
             if p.grad is None or p.numel() == 0:
                 continue
+            if self._sharding is not None and not self._sharding.owns(p):
+                continue  # another rank orthogonalizes it and sends the result
             if p.grad.is_sparse:
                 raise ValueError(f"param group {index}, parameter {j}: sparse gradients are not supported")
             if p.grad.is_complex():
@@ -212,18 +219,23 @@ class Muon(Optimizer):
 
     def _grads_finite(self, work: list) -> bool:
         grads = [g for _, _, gs in work for g in gs]
-        if not grads:
+        remote = self._sharding is not None and self._sharding.remote_nonfinite
+        if not grads and not remote:
             return True
         # One max-abs per tensor and one host sync: NaN and inf both propagate into it.
-        maxima = torch._foreach_norm(grads, float("inf"))
-        device = maxima[0].device
-        if bool(torch.stack([m.to(device) for m in maxima]).isfinite().all()):
+        maxima = torch._foreach_norm(grads, float("inf")) if grads else []
+        if not remote and bool(torch.stack([m.to(maxima[0].device) for m in maxima]).isfinite().all()):
             return True
         if self.nonfinite == "skip":
             warnings.warn(
                 "Muon: a gradient holds NaN or inf; the step was skipped for all groups", RuntimeWarning, stacklevel=3
             )
             return False
+        if remote:
+            raise FloatingPointError(
+                "Muon: non-finite gradient on another rank (its error names the parameter); "
+                "pass nonfinite='skip' to skip such steps"
+            )
         for i, (group, params, gs) in enumerate(work):
             for p, g in zip(params, gs):
                 if not bool(g.isfinite().all()):

@@ -2,5 +2,14 @@
 
 from lightning_muon.distributed.comm import CommStats, all_reduce_bytes, all_to_all_v
 from lightning_muon.distributed.planning import OwnershipPlan, matrix_shapes, plan_ownership
+from lightning_muon.distributed.sharded import MuonSharding
 
-__all__ = ["CommStats", "OwnershipPlan", "all_reduce_bytes", "all_to_all_v", "matrix_shapes", "plan_ownership"]
+__all__ = [
+    "CommStats",
+    "MuonSharding",
+    "OwnershipPlan",
+    "all_reduce_bytes",
+    "all_to_all_v",
+    "matrix_shapes",
+    "plan_ownership",
+]

@@ -1,0 +1,127 @@
+"""Newton-Schulz sharded across data-parallel ranks: each matrix orthogonalized once, by its owner.
+
+``MuonSharding`` attaches to a ``Muon`` optimizer. In ``reduce_scatter`` mode, DDP
+leaves the Muon matrices alone and ``reduce_gradients()`` (called after backward,
+before any unscaling or clipping) averages each matrix's gradient straight onto its
+owner with one uneven all-to-all; every other rank drops that gradient. The owner
+runs momentum, ``orthogonalize`` and the update; ``gather_parameters()`` (called by
+``Muon.step``) sends the new values to every rank. Per rank, the bytes sent are
+``P - P_own`` then ``(W - 1) P_own``: for W = 2 exactly plain DDP's all-reduce of the
+same P elements, and for balanced owners ``2 (W - 1) / W * P`` in general.
+
+In ``all_gather`` mode DDP all-reduces everything as usual; owners still split the
+Newton-Schulz work and share their results (+50% traffic; a fallback and a baseline).
+"""
+
+from __future__ import annotations
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+
+from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
+from lightning_muon.distributed.planning import plan_ownership
+
+__all__ = ["MODES", "MuonSharding"]
+
+MODES = ("reduce_scatter", "all_gather")
+
+
+class MuonSharding:
+    """Owner-based Newton-Schulz for one ``Muon`` optimizer over a process group."""
+
+    def __init__(self, optimizer, mode: str = "reduce_scatter", group=None, stats: CommStats | None = None) -> None:
+        if mode not in MODES:
+            raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
+        self.optimizer = optimizer
+        self.mode = mode
+        self.group = group
+        self.stats = stats if stats is not None else CommStats()
+        self.rank = dist.get_rank(group)
+        self.world_size = dist.get_world_size(group)
+        groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
+        self.params: list[Tensor] = [p for g in groups for p in g["params"]]
+        self.plan = plan_ownership(
+            [p.shape for p in self.params],
+            self.world_size,
+            split_sizes=[g["split_sizes"] for g in groups for _ in g["params"]],
+            batched=[g["batched"] for g in groups for _ in g["params"]],
+        )
+        self._owner = {id(p): r for p, r in zip(self.params, self.plan.owners)}
+        self.remote_nonfinite = False
+        optimizer._sharding = self
+
+    def owns(self, p: Tensor) -> bool:
+        """True when this rank orthogonalizes ``p`` (and for any non-Muon parameter)."""
+        return self._owner.get(id(p), self.rank) == self.rank
+
+    def _by_owner(self) -> list[list[Tensor]]:
+        return [[self.params[i] for i in self.plan.owned(r)] for r in range(self.world_size)]
+
+    @torch.no_grad()
+    def reduce_gradients(self) -> None:
+        """Average Muon gradients onto their owners; drop them elsewhere (``reduce_scatter`` mode).
+
+        A parameter with no gradient on some rank counts as zeros there; with no gradient on
+        any rank it stays without one on its owner, so the step skips it as a single process
+        would. If any owned gradient is non-finite, every rank is made to see a non-finite
+        gradient, so that a GradScaler or ``Muon``'s own check skips or raises on all ranks
+        alike instead of leaving one rank waiting in a collective.
+        """
+        self.remote_nonfinite = False
+        if self.mode != "reduce_scatter" or not self.params:
+            return
+        by_owner = self._by_owner()
+        dtype = self.params[0].dtype
+        pieces, send_counts = [], []
+        for owned in by_owner:
+            # One extra element per parameter: 1 where this rank has a gradient.
+            flat = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype) for p in owned]
+            flags = torch.tensor([p.grad is not None for p in owned], dtype=dtype, device=self.params[0].device)
+            pieces += [*flat, flags]
+            send_counts.append(sum(p.numel() for p in owned) + len(owned))
+        mine = by_owner[self.rank]
+        size = sum(p.numel() for p in mine) + len(mine)
+        recv = all_to_all_v(
+            torch.cat(pieces), send_counts, [size] * self.world_size, self.group, self.stats, name="reduce_scatter"
+        )
+        total = recv.view(self.world_size, size).sum(0)  # (size,) summed over ranks
+        grads, flags = total[: size - len(mine)], total[size - len(mine) :]
+        offset = 0
+        for p, flag in zip(mine, flags.tolist()):
+            n = p.numel()
+            p.grad = grads[offset : offset + n].view_as(p).div_(self.world_size).to(p.dtype) if flag > 0 else None
+            offset += n
+        for owned in by_owner:
+            if owned is not mine:
+                for p in owned:
+                    p.grad = None
+        local_ok = all(bool(p.grad.isfinite().all()) for p in mine if p.grad is not None)
+        ok = torch.tensor([1.0 if local_ok else 0.0])
+        all_reduce_(ok, dist.ReduceOp.MIN, self.group, self.stats, name="nonfinite_flag")
+        if local_ok and ok.item() == 0.0:
+            self.remote_nonfinite = True
+            p = self.params[0]
+            p.grad = torch.full_like(p, float("nan"))
+
+    @torch.no_grad()
+    def gather_parameters(self) -> None:
+        """Send every owner's Muon parameters to all other ranks (after the owners stepped)."""
+        if self.world_size == 1 or not self.params:
+            return
+        by_owner = self._by_owner()
+        mine = by_owner[self.rank]
+        blob = torch.cat([p.detach().reshape(-1) for p in mine]) if mine else self.params[0].new_empty(0)
+        sizes = [sum(p.numel() for p in owned) for owned in by_owner]
+        send_counts = [0 if r == self.rank else blob.numel() for r in range(self.world_size)]
+        recv_counts = [0 if r == self.rank else sizes[r] for r in range(self.world_size)]
+        send = torch.cat([blob] * (self.world_size - 1))
+        recv = all_to_all_v(send, send_counts, recv_counts, self.group, self.stats, name="all_gather")
+        offset = 0
+        for r, owned in enumerate(by_owner):
+            if r == self.rank:
+                continue
+            for p in owned:
+                n = p.numel()
+                p.copy_(recv[offset : offset + n].view_as(p))
+                offset += n

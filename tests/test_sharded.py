@@ -1,0 +1,87 @@
+"""MuonSharding on gloo: owners orthogonalize, results shared; equal to one process."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+import torch.distributed as dist
+from dist_utils import run_distributed
+from torch import nn
+
+from lightning_muon import Muon, route_parameters
+from lightning_muon.distributed.comm import all_reduce_bytes
+from lightning_muon.distributed.sharded import MuonSharding
+
+STEPS = 6
+BATCH = 12  # divisible by 2 and 3
+
+
+def _model() -> nn.Module:
+    torch.manual_seed(0)
+    # Shapes differ so that ownership is uneven at 3 ranks; the head goes to AdamW.
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 4)
+    )
+
+
+def _data(step: int) -> tuple[torch.Tensor, torch.Tensor]:
+    g = torch.Generator().manual_seed(100 + step)
+    return torch.randn(BATCH, 8, generator=g), torch.randn(BATCH, 4, generator=g)
+
+
+def _optimizer(model: nn.Module) -> Muon:
+    # fp32 Newton-Schulz: bf16 would turn reduction-order noise into percent-level differences.
+    return Muon(route_parameters(model), lr=0.02, weight_decay=0.1, ns_dtype="float32", adamw_lr=1e-2)
+
+
+def _train(rank: int, world: int, mode: str, drop_grad_step: int | None) -> dict:
+    model = _model()
+    opt = _optimizer(model)
+    sharding = MuonSharding(opt, mode=mode) if world > 1 else None
+    muon_ids = {id(p) for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]}
+    for step in range(STEPS):
+        x, y = _data(step)
+        lo, hi = rank * BATCH // world, (rank + 1) * BATCH // world
+        opt.zero_grad()
+        nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi]).backward()
+        if step == drop_grad_step:
+            model[2].weight.grad = None  # a matrix without a gradient on every rank this step
+        if sharding is not None:
+            # Plain DDP's job for what it reduces: average every gradient it was not told to ignore.
+            for p in model.parameters():
+                if (mode == "all_gather" or id(p) not in muon_ids) and p.grad is not None:
+                    dist.all_reduce(p.grad)
+                    p.grad /= world
+            sharding.reduce_gradients()
+        opt.step()
+    stats = dict(sharding.stats.bytes) if sharding else {}
+    owned = len(sharding.plan.owned(rank)) if sharding else None
+    return {
+        "params": [p.detach().clone() for p in model.parameters()],
+        "bytes": stats,
+        "owned": owned,
+        "muon_numel": sum(model.get_parameter(n).numel() for n in _muon_names(opt)),
+    }
+
+
+def _muon_names(opt: Muon) -> list[str]:
+    return [n for g in opt.param_groups if g["algorithm"] == "muon" for n in g["param_names"]]
+
+
+@pytest.mark.parametrize(("world_size", "mode"), [(2, "reduce_scatter"), (3, "reduce_scatter"), (2, "all_gather")])
+def test_sharded_equals_single_process(world_size, mode):
+    reference = run_distributed(_train, 1, mode, 3)[0]
+    results = run_distributed(_train, world_size, mode, 3)
+    for res in results:
+        for a, b in zip(res["params"], reference["params"]):
+            # fp32 everywhere; the only differences are summation orders of the gradient
+            # average (~1e-7 relative), which Newton-Schulz keeps at that level over 6 steps.
+            torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    assert sum(r["owned"] for r in results) == 3  # three hidden matrices, each owned once
+    if mode == "reduce_scatter" and world_size == 2:
+        muon_bytes = all_reduce_bytes(reference["muon_numel"], 4, world_size) * STEPS
+        for res in results:
+            moved = res["bytes"]["reduce_scatter"] + res["bytes"]["all_gather"]
+            flags = res["bytes"].get("nonfinite_flag", 0)
+            # Exactly DDP's all-reduce of the Muon matrices, plus one flag per matrix and step.
+            assert moved <= muon_bytes + 4 * 3 * STEPS and moved + flags <= 1.05 * muon_bytes
