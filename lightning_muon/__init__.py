@@ -6,12 +6,14 @@ from lightning_muon.muon import Muon
 from lightning_muon.newton_schulz import COEFFICIENTS, orthogonalize
 from lightning_muon.routing import ParamGroups, Rule, route_parameters
 from lightning_muon.schedules import LRSchedule, MuonScheduler
+from lightning_muon.strategies import MuonDDPStrategy
 
 __all__ = [
     "COEFFICIENTS",
     "LRSchedule",
     "Muon",
     "MuonConfig",
+    "MuonDDPStrategy",
     "MuonModuleMixin",
     "MuonScheduler",
     "ParamGroups",

@@ -125,3 +125,49 @@ class MuonSharding:
                 n = p.numel()
                 p.copy_(recv[offset : offset + n].view_as(p))
                 offset += n
+
+    @torch.no_grad()
+    def gather_state(self, key: str) -> list[Tensor | None]:
+        """``optimizer.state[p][key]`` for every Muon parameter, fetched from its owner.
+
+        Returns one entry per ``self.params`` (None where the owner has no such state yet).
+        Every rank must call it (checkpoint saving does, on all ranks).
+        """
+        by_owner = self._by_owner()
+        mine = by_owner[self.rank]
+        local = [self.optimizer.state.get(p, {}).get(key) for p in mine]
+        ref = self.params[0]
+        payload = [(t if t is not None else torch.zeros_like(p)).reshape(-1).to(ref.dtype) for p, t in zip(mine, local)]
+        payload.append(torch.tensor([t is not None for t in local], dtype=ref.dtype, device=ref.device))
+        blob = torch.cat(payload)
+        sizes = [sum(p.numel() for p in owned) + len(owned) for owned in by_owner]
+        if self.world_size == 1:
+            recv_parts = [blob]
+        else:
+            send_counts = [0 if r == self.rank else blob.numel() for r in range(self.world_size)]
+            recv_counts = [0 if r == self.rank else sizes[r] for r in range(self.world_size)]
+            recv = all_to_all_v(
+                torch.cat([blob] * (self.world_size - 1)),
+                send_counts,
+                recv_counts,
+                self.group,
+                self.stats,
+                name="gather_state",
+            )
+            chunks = iter(recv.split([recv_counts[r] for r in range(self.world_size) if r != self.rank]))
+            recv_parts = [blob if r == self.rank else next(chunks) for r in range(self.world_size)]
+        out: dict[int, Tensor | None] = {}
+        for owned, part in zip(by_owner, recv_parts):
+            flags = part[part.numel() - len(owned) :].tolist()
+            offset = 0
+            for p, flag in zip(owned, flags):
+                n = p.numel()
+                out[id(p)] = part[offset : offset + n].view_as(p).to(p.dtype).clone() if flag > 0 else None
+                offset += n
+        return [out[id(p)] for p in self.params]
+
+    def drop_foreign_state(self) -> None:
+        """Forget the optimizer state of matrices another rank owns (after loading a full state)."""
+        for p in self.params:
+            if not self.owns(p):
+                self.optimizer.state.pop(p, None)

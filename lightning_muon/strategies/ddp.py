@@ -1,0 +1,138 @@
+"""``MuonDDPStrategy``: DDP with Newton-Schulz sharded across ranks (``muon_ddp``, ``muon_ddp_spawn``)."""
+
+from __future__ import annotations
+
+from collections.abc import Callable
+from typing import Any
+
+import torch
+import torch.distributed as dist
+from lightning.pytorch.core.optimizer import LightningOptimizer
+from lightning.pytorch.strategies import DDPStrategy
+from torch import Tensor
+from torch.nn.parallel import DistributedDataParallel
+from torch.optim import Optimizer
+
+from lightning_muon.distributed.comm import all_reduce_
+from lightning_muon.distributed.sharded import MODES, MuonSharding
+from lightning_muon.muon import Muon
+
+__all__ = ["MuonDDPStrategy"]
+
+
+def _sharding_of(optimizer: Optimizer) -> MuonSharding | None:
+    if isinstance(optimizer, LightningOptimizer):
+        optimizer = optimizer._optimizer
+    return getattr(optimizer, "_sharding", None)
+
+
+class MuonDDPStrategy(DDPStrategy):
+    """Data parallel training where each Muon matrix is orthogonalized once, by its owner rank.
+
+    ``muon_mode="reduce_scatter"`` (default): DDP ignores the Muon matrices; their gradients
+    are averaged straight onto owner ranks, owners step them, and the new values are sent
+    to every rank: the same bytes as DDP's all-reduce of those matrices, and 1/W of the
+    Newton-Schulz work per rank. ``muon_mode="all_gather"``: DDP all-reduces everything and
+    owners share their results (+50% traffic for the Muon matrices; a fallback).
+
+    Gradient clipping by norm uses the global norm over the sharded gradients. The
+    optimizer state in checkpoints holds every matrix's momentum, whichever rank owns it,
+    so a checkpoint resumes at any world size.
+    """
+
+    strategy_name = "muon_ddp"
+
+    def __init__(self, *args: Any, muon_mode: str = "reduce_scatter", **kwargs: Any) -> None:
+        if muon_mode not in MODES:
+            raise ValueError(f"muon_mode must be one of {MODES}, got {muon_mode!r}")
+        super().__init__(*args, **kwargs)
+        self.muon_mode = muon_mode
+        self._optimizers_ready = False
+
+    @property
+    def shardings(self) -> list[MuonSharding]:
+        return [s for s in (_sharding_of(opt) for opt in self.optimizers) if s is not None]
+
+    def configure_ddp(self) -> None:
+        # Optimizers first, on the unwrapped module: DDP must learn which parameters to
+        # ignore before it wraps the model.
+        super().setup_optimizers(self.lightning_module.trainer)
+        self._optimizers_ready = True
+        for optimizer in self.optimizers:
+            if isinstance(optimizer, Muon) and any(g["algorithm"] == "muon" for g in optimizer.param_groups):
+                MuonSharding(optimizer, mode=self.muon_mode)
+        if self.muon_mode == "reduce_scatter" and self.shardings:
+            ids = {id(p) for s in self.shardings for p in s.params}
+            names = [n for n, p in self.model.named_parameters() if id(p) in ids]
+            DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(self.model, names)
+            # DDP broadcasts rank 0's parameters at wrap time, except ignored ones.
+            for s in self.shardings:
+                for p in s.params:
+                    dist.broadcast(p.data, src=0)
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+        super().configure_ddp()
+
+    def setup_optimizers(self, trainer: Any) -> None:
+        if not self._optimizers_ready:  # configure_ddp built them already
+            super().setup_optimizers(trainer)
+
+    def optimizer_step(self, optimizer: Optimizer, closure: Callable[[], Any], model: Any = None, **kwargs: Any) -> Any:
+        sharding = _sharding_of(optimizer)
+        if sharding is None:
+            return super().optimizer_step(optimizer, closure, model, **kwargs)
+
+        def reduced_closure() -> Any:
+            # After backward, before AMP unscaling and clipping: every rank then sees the
+            # same overflow decision (DESIGN section 6).
+            output = closure()
+            sharding.reduce_gradients()
+            return output
+
+        return super().optimizer_step(optimizer, reduced_closure, model, **kwargs)
+
+    def _clip_grad_by_global_norm(self, optimizer: Optimizer, clip_val: float) -> None:
+        """``clip_grad_norm_`` semantics with the norm over sharded (owner-only) gradients."""
+        sharding = _sharding_of(optimizer)
+        params = [p for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
+        if sharding is None or not params:
+            torch.nn.utils.clip_grad_norm_(params, clip_val)
+            return
+        sharded = {id(p) for p in sharding.params}
+        device = params[0].grad.device
+        squares = torch.zeros(2, device=device, dtype=torch.float32)  # (sharded, replicated)
+        for p in params:
+            squares[0 if id(p) in sharded else 1] += p.grad.detach().float().pow(2).sum()
+        own = squares[:1].clone()
+        all_reduce_(own, group=sharding.group, stats=sharding.stats, name="clip_norm")
+        total_norm = (own[0] + squares[1]).sqrt()
+        coef = torch.clamp(clip_val / (total_norm + 1e-6), max=1.0)
+        torch._foreach_mul_([p.grad for p in params], coef.to(device))
+
+    def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
+        """The full state on every rank: momentum of every Muon matrix, gathered from owners."""
+        state = super().optimizer_state(optimizer)
+        sharding = _sharding_of(optimizer)
+        if sharding is None:
+            return state
+        inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
+        index = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
+        gathered = sharding.gather_state("momentum_buffer")
+        for p, buf in zip(sharding.params, gathered):
+            if buf is not None:
+                state["state"].setdefault(index[id(p)], {})["momentum_buffer"] = buf
+        return state
+
+    def load_optimizer_state_dict(self, checkpoint: Any) -> None:
+        super().load_optimizer_state_dict(checkpoint)
+        for sharding in self.shardings:
+            sharding.drop_foreign_state()
+
+    @classmethod
+    def register_strategies(cls, strategy_registry: Any) -> None:
+        for name, start_method in (("muon_ddp", "popen"), ("muon_ddp_spawn", "spawn")):
+            strategy_registry.register(
+                name,
+                cls,
+                description=f"DDP with Muon's Newton-Schulz sharded across ranks, start_method '{start_method}'",
+                start_method=start_method,
+            )
