@@ -138,6 +138,10 @@ class Muon(Optimizer):
         super().__init__(_as_groups(params), {"momentum": momentum})
 
     _sharding = None  # a MuonSharding when Newton-Schulz is split across ranks
+    # Called as ``observer(group, params, updates, ortho)`` after orthogonalization, on the
+    # rank that steps the matrices: ``updates`` are the momentum tensors fed to Newton-Schulz,
+    # ``ortho`` per parameter its list of pieces, as they are applied (before the lr scale).
+    _update_observer = None
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = dict(param_group)
@@ -249,6 +253,8 @@ class Muon(Optimizer):
         return True  # pragma: no cover - the max said non-finite, one tensor must be
 
     def _muon_step(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
+        # Four stages, each one place to extend: momentum, orthogonalize (a sharding may
+        # do it across ranks), observe (UpdateSpectrumMonitor), apply.
         bufs = []
         for p in params:
             state = self.state[p]
@@ -256,14 +262,9 @@ class Muon(Optimizer):
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             bufs.append(state["momentum_buffer"])
         updates = muon_momentum_(grads, bufs, group["momentum"], group["nesterov"])
-        ortho = muon_orthogonalize(
-            updates,
-            ns_steps=group["ns_steps"],
-            ns_coefficients=group["ns_coefficients"],
-            ns_dtype=group["ns_dtype"],
-            split_sizes=group["split_sizes"],
-            batched=group["batched"],
-        )
+        ortho = self._orthogonalize(group, params, updates)
+        if self._update_observer is not None:
+            self._update_observer(group, params, updates, ortho)
         muon_apply_(
             params,
             ortho,
@@ -274,6 +275,20 @@ class Muon(Optimizer):
             split_sizes=group["split_sizes"],
             batched=group["batched"],
         )
+
+    def _orthogonalize(self, group: dict, params: list[Tensor], updates: list[Tensor]) -> list[list[Tensor]]:
+        """Per update, its orthogonalized pieces; a sharding with ``orthogonalize`` does it across ranks."""
+        kwargs = dict(
+            ns_steps=group["ns_steps"],
+            ns_coefficients=group["ns_coefficients"],
+            ns_dtype=group["ns_dtype"],
+            split_sizes=group["split_sizes"],
+            batched=group["batched"],
+        )
+        sharded = getattr(self._sharding, "orthogonalize", None)
+        if sharded is not None:
+            return sharded(params, updates, **kwargs)
+        return muon_orthogonalize(updates, **kwargs)
 
     def _adamw_step(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
         for p in params:
