@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+from pathlib import Path
+
 import lightning.pytorch as pl
 import torch
 from torch import nn
@@ -10,24 +12,83 @@ from lightning_muon import MuonConfig, MuonModuleMixin
 
 
 class TinyRegressor(MuonModuleMixin, pl.LightningModule):
-    def __init__(self, muon_config: MuonConfig | None = None) -> None:
+    """An MLP whose hidden matrices go to Muon and whose head goes to AdamW.
+
+    Args:
+        widths: hidden widths; the first Linear and every hidden one are Muon matrices.
+        global_batch: samples per optimizer micro-step over all ranks (divided among them).
+        samples: dataset size; ``samples == global_batch`` gives the same batch every step.
+        branch: a side layer used only on even steps, so it (and its AdamW bias) has no
+            gradient on odd steps (needs ``find_unused_parameters=True`` under DDP).
+        frozen: a frozen hidden layer (``requires_grad=False``) in the path.
+        inject_inf: ``(rank, step)``: after backward on that rank (-1: every rank) and step,
+            put an inf into the gradient of a Muon matrix another rank owns.
+        dump_dir: where each rank writes its final parameters (``rank<r>.pt``).
+    """
+
+    def __init__(
+        self,
+        muon_config: MuonConfig | None = None,
+        widths: tuple[int, ...] = (32, 16, 24),
+        global_batch: int = 8,
+        samples: int = 48,
+        branch: bool = False,
+        frozen: bool = False,
+        inject_inf: tuple[int, int] | None = None,
+        dump_dir: str | None = None,
+    ) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(0)
-        self.net = nn.Sequential(
-            nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 4)
-        )
+        layers: list[nn.Module] = []
+        for n_in, n_out in zip((8, *widths), widths):
+            layers += [nn.Linear(n_in, n_out), nn.Tanh()]
+        self.net = nn.Sequential(*layers)
+        self.side = nn.Linear(widths[-1], widths[-1]) if branch else None
+        self.fixed = nn.Linear(widths[-1], widths[-1]) if frozen else None
+        if self.fixed is not None:
+            self.fixed.requires_grad_(False)
+        self.head = nn.Linear(widths[-1], 4)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        h = self.net(x)
+        if self.side is not None and self.trainer.global_step % 2 == 0:
+            h = h + torch.tanh(self.side(h))
+        if self.fixed is not None:
+            h = torch.tanh(self.fixed(h))
+        return self.head(h)
 
     def train_dataloader(self):
         # Rank r takes samples r, r + W, ...: per step the ranks together see the same samples
         # as one process with a W-times larger batch (use_distributed_sampler=False).
         world, rank = self.trainer.world_size, self.trainer.global_rank
-        data = torch.utils.data.Subset(dataset(), range(rank, 48, world))
-        return torch.utils.data.DataLoader(data, batch_size=8 // world, shuffle=False)
+        data = torch.utils.data.Subset(dataset(self.hparams.samples), range(rank, self.hparams.samples, world))
+        return torch.utils.data.DataLoader(data, batch_size=self.hparams.global_batch // world, shuffle=False)
 
     def training_step(self, batch, batch_idx):
         x, y = batch
-        return nn.functional.mse_loss(self.net(x), y)
+        return nn.functional.mse_loss(self(x), y)
+
+    def on_after_backward(self) -> None:
+        if self.hparams.inject_inf is None:
+            return
+        rank, step = self.hparams.inject_inf
+        if self.global_step != step or rank not in (-1, self.global_rank):
+            return
+        shardings = getattr(self.trainer.strategy, "shardings", [])
+        # A matrix another rank owns: only the reduce-scatter carries the overflow to its owner.
+        target = next((p for s in shardings for p in s.params if not s.owns(p)), self.net[0].weight)
+        target.grad[0, 0] = float("inf")
+
+    def on_fit_end(self) -> None:
+        if self.hparams.dump_dir is None:
+            return
+        scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        result = {
+            "params": {n: p.detach().clone() for n, p in self.named_parameters()},
+            "scale": None if scaler is None else float(scaler.get_scale()),
+        }
+        torch.save(result, Path(self.hparams.dump_dir) / f"rank{self.global_rank}.pt")
 
 
 def dataset(n: int = 48) -> torch.utils.data.TensorDataset:

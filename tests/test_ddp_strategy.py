@@ -1,57 +1,170 @@
-"""MuonDDPStrategy end to end: registered names, same parameters as one process, complete checkpoints."""
+"""MuonDDPStrategy end to end: registered names, same parameters as one process, complete checkpoints.
+
+Every multi-rank fit here is compared with one process that sees the same global batches
+(rank-strided loaders, ``use_distributed_sampler=False``). ``muon_ddp_spawn`` does not
+update the main process's model, so each rank writes its final parameters to a file.
+"""
 
 from __future__ import annotations
+
+import warnings
 
 import lightning.pytorch as pl
 import pytest
 import torch
 from ddp_modules import TinyRegressor
-from lightning.pytorch.strategies import StrategyRegistry
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
 from lightning_muon import MuonConfig, MuonDDPStrategy
+from lightning_muon.distributed.planning import plan_ownership
 
 # fp32 Newton-Schulz: bf16 would turn reduction-order noise into percent-level differences.
 CONFIG = MuonConfig(lr=0.02, weight_decay=0.1, ns_dtype="float32", adamw_lr=1e-2)
+# fp32 throughout; only the gradient summation order differs (~1e-7 relative), and
+# Newton-Schulz in fp32 keeps it at that level over a few steps.
+FP32 = dict(rtol=1e-5, atol=1e-6)
 
 
-def _fit(tmp_path, strategy, devices: int, clip: float | None) -> tuple[TinyRegressor, pl.Trainer]:
-    model = TinyRegressor(CONFIG)
+def _fit(tmp_path, strategy, devices: int, steps: int = 6, ckpt_path=None, precision=None, **kwargs) -> TinyRegressor:
+    trainer_kwargs = {k: kwargs.pop(k) for k in ("gradient_clip_val", "accumulate_grad_batches") if k in kwargs}
+    tmp_path.mkdir(parents=True, exist_ok=True)
+    model = TinyRegressor(kwargs.pop("config", CONFIG), dump_dir=str(tmp_path), **kwargs)
+    plugins = []
+    if precision == "16-mixed":
+        # Lightning turns precision="16-mixed" into bf16 on CPU; fp16 autocast with a
+        # GradScaler on CPU needs the plugin spelled out.
+        plugins.append(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10)))
+        precision = None
     trainer = pl.Trainer(
         accelerator="cpu",
         devices=devices,
         strategy=strategy,
-        max_steps=6,
+        max_steps=steps,
         logger=False,
         enable_progress_bar=False,
         enable_model_summary=False,
         default_root_dir=tmp_path,
-        gradient_clip_val=clip,
         use_distributed_sampler=False,
+        precision=precision,
+        plugins=plugins or None,
+        **trainer_kwargs,
     )
-    trainer.fit(model)
-    return model, trainer
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the step was skipped", small-dataset notices
+        trainer.fit(model, ckpt_path=ckpt_path)
+    return model
+
+
+def _ranks(tmp_path, world: int) -> list[dict]:
+    return [torch.load(tmp_path / f"rank{r}.pt", weights_only=True) for r in range(world)]
+
+
+def _assert_all_equal(results: list[dict], reference: dict, **tol) -> None:
+    for rank, result in enumerate(results):
+        assert result["params"].keys() == reference["params"].keys()
+        for name, ref in reference["params"].items():
+            torch.testing.assert_close(
+                result["params"][name], ref, **tol, msg=lambda m, name=name, rank=rank: f"rank {rank}, {name}: {m}"
+            )
+
+
+def _spawn(**kwargs) -> MuonDDPStrategy:
+    return MuonDDPStrategy(start_method="spawn", **kwargs)
 
 
 def test_registered_names():
     assert "muon_ddp" in StrategyRegistry and "muon_ddp_spawn" in StrategyRegistry
     assert StrategyRegistry["muon_ddp_spawn"]["strategy"] is MuonDDPStrategy
+    assert StrategyRegistry["muon_ddp_spawn"]["init_params"] == {"start_method": "spawn"}
     with pytest.raises(ValueError, match="muon_mode must be one of"):
         MuonDDPStrategy(muon_mode="bogus")
 
 
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_two_ranks_equal_one_process_and_save_every_momentum(tmp_path, clip):
-    single, _ = _fit(tmp_path / "one", "auto", 1, clip)
+    _fit(tmp_path / "one", "auto", 1, gradient_clip_val=clip)
     # Two ranks of batch 4 see the same 8 samples per step as one process of batch 8.
-    _fit(tmp_path / "two", "muon_ddp_spawn", 2, clip)
-    # Rank 0's final state, as saved at the end of the fit.
-    ckpt = torch.load(next((tmp_path / "two").rglob("*.ckpt")), weights_only=True)
-    for name, b in single.named_parameters():
-        # fp32 throughout; only gradient summation order differs (~1e-7), kept there over 6 steps.
-        torch.testing.assert_close(
-            ckpt["state_dict"][name], b, rtol=1e-5, atol=1e-6, msg=lambda m, name=name: f"{name}: {m}"
-        )
-    state = ckpt["optimizer_states"][0]
+    _fit(tmp_path / "two", "muon_ddp_spawn", 2, gradient_clip_val=clip)
+    _assert_all_equal(_ranks(tmp_path / "two", 2), _ranks(tmp_path / "one", 1)[0], **FP32)
+    # Rank 0's checkpoint holds the momentum of every matrix, rank 1's too.
+    state = torch.load(next((tmp_path / "two").rglob("*.ckpt")), weights_only=True)["optimizer_states"][0]
     muon_indices = [i for g in state["param_groups"] if g["algorithm"] == "muon" for i in g["params"]]
     assert len(muon_indices) == 3
     assert all("momentum_buffer" in state["state"][i] for i in muon_indices)
+
+
+def test_three_ranks_one_owning_nothing_with_accumulation_and_clipping(tmp_path):
+    # Two Muon matrices on three ranks: ownership is uneven and one rank owns none.
+    widths = (32, 16)
+    owners = plan_ownership([(32, 8), (16, 32)], 3).owners
+    assert len(set(owners)) == 2
+    kwargs = dict(widths=widths, global_batch=6, gradient_clip_val=0.05, accumulate_grad_batches=2)
+    _fit(tmp_path / "one", "auto", 1, steps=4, **kwargs)
+    _fit(tmp_path / "three", _spawn(), 3, steps=4, **kwargs)
+    _assert_all_equal(_ranks(tmp_path / "three", 3), _ranks(tmp_path / "one", 1)[0], **FP32)
+
+
+def _reference(tmp_path, precision, **kwargs) -> dict:
+    """What the sharded run must equal: one process in fp32, plain DDP at 2 ranks under AMP.
+
+    Under AMP each rank's weight-gradient GEMM reduces over its own samples and rounds to
+    bf16/fp16, one process over all of them: gradients differ at 2^-9, and Newton-Schulz
+    turns that into percent-level parameter differences (DESIGN section 6). Plain DDP at the
+    same world size computes the very same per-rank gradients, so there the only difference
+    left is how the two ranks' gradients are summed.
+    """
+    if precision is None:
+        _fit(tmp_path / "one", "auto", 1, precision=precision, **kwargs)
+        return _ranks(tmp_path / "one", 1)[0]
+    plain = DDPStrategy(start_method="spawn", find_unused_parameters=kwargs.get("branch", False))
+    _fit(tmp_path / "plain", plain, 2, precision=precision, **kwargs)
+    return _ranks(tmp_path / "plain", 2)[0]
+
+
+@pytest.mark.parametrize(("mode", "precision"), [("reduce_scatter", "bf16-mixed"), ("all_gather", None)])
+def test_unused_and_frozen_parameters_under_each_mode(tmp_path, mode, precision):
+    # A side layer without gradients on odd steps (Muon weight, AdamW bias), a frozen layer.
+    kwargs = dict(branch=True, frozen=True)
+    reference = _reference(tmp_path, precision, **kwargs)
+    _fit(tmp_path / "two", _spawn(muon_mode=mode, find_unused_parameters=True), 2, precision=precision, **kwargs)
+    _assert_all_equal(_ranks(tmp_path / "two", 2), reference, **FP32)
+    untouched = TinyRegressor(branch=True, frozen=True)
+    torch.testing.assert_close(reference["params"]["fixed.weight"], untouched.fixed.weight, rtol=0, atol=0)
+
+
+@pytest.mark.parametrize("precision", ["16-mixed", None])
+def test_overflow_on_one_rank_skips_the_step_everywhere(tmp_path, precision):
+    # Rank 1 alone overflows at step 2, in a matrix rank 0 owns. With a GradScaler every
+    # rank must skip the step and lower the scale; without one, Muon(nonfinite="skip")
+    # must skip it on every rank. Either way nothing hangs and the ranks stay equal.
+    config = MuonConfig(lr=0.02, weight_decay=0.1, ns_dtype="float32", adamw_lr=1e-2, nonfinite="skip")
+    # The reference overflows at the same step on every rank it has (plain DDP reduces
+    # gradients during backward, so an inf injected after it would stay on one rank).
+    kwargs = dict(config=config, inject_inf=(-1, 2))
+    reference = _reference(tmp_path, precision, **kwargs)
+    _fit(tmp_path / "two", "muon_ddp_spawn", 2, precision=precision, **{**kwargs, "inject_inf": (1, 2)})
+    results = _ranks(tmp_path / "two", 2)
+    _assert_all_equal(results, reference, **FP32)
+    _assert_all_equal(results[1:], results[0], rtol=0, atol=0)
+    if precision == "16-mixed":
+        assert reference["scale"] == results[0]["scale"] == results[1]["scale"] == 2.0**9  # one skip
+    else:
+        clean = tmp_path / "clean"
+        _fit(clean, "auto", 1, config=config)
+        changed = [n for n, p in reference["params"].items() if not torch.equal(p, _ranks(clean, 1)[0]["params"][n])]
+        assert changed  # the overflow did change the run: a step was really skipped
+
+
+def test_checkpoint_from_two_ranks_resumes_on_one_and_three(tmp_path):
+    # The same 6 samples every step, so that resuming (which replays a batch) sees what an
+    # uninterrupted run sees (DESIGN section 6); 6 divides among 1, 2 and 3 ranks.
+    kwargs = dict(global_batch=6, samples=6)
+    _fit(tmp_path / "full", "auto", 1, steps=6, **kwargs)
+    _fit(tmp_path / "two", "muon_ddp_spawn", 2, steps=3, **kwargs)
+    ckpt = next((tmp_path / "two").rglob("*.ckpt"))
+    _fit(tmp_path / "one", "auto", 1, steps=6, ckpt_path=ckpt, **kwargs)
+    _fit(tmp_path / "three", _spawn(), 3, steps=6, ckpt_path=ckpt, **kwargs)
+    reference = _ranks(tmp_path / "full", 1)[0]
+    _assert_all_equal(_ranks(tmp_path / "one", 1), reference, **FP32)
+    _assert_all_equal(_ranks(tmp_path / "three", 3), reference, **FP32)

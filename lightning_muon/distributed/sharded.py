@@ -127,22 +127,36 @@ class MuonSharding:
                 offset += n
 
     @torch.no_grad()
-    def gather_state(self, key: str) -> list[Tensor | None]:
-        """``optimizer.state[p][key]`` for every Muon parameter, fetched from its owner.
+    def gather_states(self) -> list[dict[str, object]]:
+        """Every Muon parameter's optimizer state, fetched from its owner; one dict per ``self.params``.
 
-        Returns one entry per ``self.params`` (None where the owner has no such state yet).
+        Every entry travels: momentum and whatever else a variant keeps (second moments of
+        any shape, step counters). The owners first share which entries they hold (keys,
+        shapes, dtypes: a few bytes per parameter), then the tensors in one all-to-all.
         Every rank must call it (checkpoint saving does, on all ranks).
         """
         by_owner = self._by_owner()
         mine = by_owner[self.rank]
-        local = [self.optimizer.state.get(p, {}).get(key) for p in mine]
-        ref = self.params[0]
-        payload = [(t if t is not None else torch.zeros_like(p)).reshape(-1).to(ref.dtype) for p, t in zip(mine, local)]
-        payload.append(torch.tensor([t is not None for t in local], dtype=ref.dtype, device=ref.device))
-        blob = torch.cat(payload)
-        sizes = [sum(p.numel() for p in owned) + len(owned) for owned in by_owner]
+        local = [self.optimizer.state.get(p, {}) for p in mine]
+        # (key, shape, dtype name) per tensor entry; other values (plain numbers) go as they are.
+        layout = [
+            {k: (tuple(v.shape), str(v.dtype)) if isinstance(v, Tensor) else ("value", v) for k, v in st.items()}
+            for st in local
+        ]
+        layouts: list = [None] * self.world_size
         if self.world_size == 1:
-            recv_parts = [blob]
+            layouts = [layout]
+        else:
+            dist.all_gather_object(layouts, layout, group=self.group)
+        dtypes = {d for lay in layouts for entry in lay for d in _tensor_dtypes(entry)}
+        # float64 carries every float32/bf16/fp16 value and integer counters below 2**53 exactly.
+        wire = torch.float64 if dtypes - {"torch.float32", "torch.bfloat16", "torch.float16"} else torch.float32
+        device = self.params[0].device if self.params else torch.device("cpu")
+        tensors = [v.detach().reshape(-1).to(wire) for st in local for v in st.values() if isinstance(v, Tensor)]
+        blob = torch.cat(tensors) if tensors else torch.empty(0, dtype=wire, device=device)
+        sizes = [sum(_numel(shape) for entry in lay for shape in _tensor_shapes(entry)) for lay in layouts]
+        if self.world_size == 1:
+            parts = [blob]
         else:
             send_counts = [0 if r == self.rank else blob.numel() for r in range(self.world_size)]
             recv_counts = [0 if r == self.rank else sizes[r] for r in range(self.world_size)]
@@ -152,18 +166,23 @@ class MuonSharding:
                 recv_counts,
                 self.group,
                 self.stats,
-                name="gather_state",
+                "gather_state",
             )
             chunks = iter(recv.split([recv_counts[r] for r in range(self.world_size) if r != self.rank]))
-            recv_parts = [blob if r == self.rank else next(chunks) for r in range(self.world_size)]
-        out: dict[int, Tensor | None] = {}
-        for owned, part in zip(by_owner, recv_parts):
-            flags = part[part.numel() - len(owned) :].tolist()
+            parts = [blob if r == self.rank else next(chunks) for r in range(self.world_size)]
+        out: dict[int, dict[str, object]] = {}
+        for owned, lay, part in zip(by_owner, layouts, parts):
             offset = 0
-            for p, flag in zip(owned, flags):
-                n = p.numel()
-                out[id(p)] = part[offset : offset + n].view_as(p).to(p.dtype).clone() if flag > 0 else None
-                offset += n
+            for p, entry in zip(owned, lay):
+                state: dict[str, object] = {}
+                for key, (shape, meta) in entry.items():
+                    if shape == "value":
+                        state[key] = meta
+                        continue
+                    n = _numel(shape)
+                    state[key] = part[offset : offset + n].view(shape).to(_DTYPES[meta]).to(p.device).clone()
+                    offset += n
+                out[id(p)] = state
         return [out[id(p)] for p in self.params]
 
     def drop_foreign_state(self) -> None:
@@ -171,3 +190,21 @@ class MuonSharding:
         for p in self.params:
             if not self.owns(p):
                 self.optimizer.state.pop(p, None)
+
+
+_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32)}
+
+
+def _tensor_shapes(entry: dict) -> list[tuple[int, ...]]:
+    return [shape for shape, _ in entry.values() if shape != "value"]
+
+
+def _tensor_dtypes(entry: dict) -> list[str]:
+    return [dtype for shape, dtype in entry.values() if shape != "value"]
+
+
+def _numel(shape: tuple[int, ...]) -> int:
+    n = 1
+    for d in shape:
+        n *= d
+    return n

@@ -109,17 +109,16 @@ class MuonDDPStrategy(DDPStrategy):
         torch._foreach_mul_([p.grad for p in params], coef.to(device))
 
     def optimizer_state(self, optimizer: Optimizer) -> dict[str, Tensor]:
-        """The full state on every rank: momentum of every Muon matrix, gathered from owners."""
+        """The full state on every rank: every Muon matrix's state (momentum and more), gathered from owners."""
         state = super().optimizer_state(optimizer)
         sharding = _sharding_of(optimizer)
         if sharding is None:
             return state
         inner = optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
         index = {id(p): i for i, p in enumerate(p for g in inner.param_groups for p in g["params"])}
-        gathered = sharding.gather_state("momentum_buffer")
-        for p, buf in zip(sharding.params, gathered):
-            if buf is not None:
-                state["state"].setdefault(index[id(p)], {})["momentum_buffer"] = buf
+        for p, entries in zip(sharding.params, sharding.gather_states()):
+            if entries:
+                state["state"][index[id(p)]] = entries
         return state
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
