@@ -1,0 +1,48 @@
+"""Your own model and data under LightningCLI, with Muon configured from YAML.
+
+Run: python examples/lightning_cli/main.py fit --config examples/lightning_cli/config.yaml
+
+Any field is overridable from the command line, e.g.
+``--model.muon_config.lr=0.03 --trainer.max_epochs=3 --trainer.strategy=muon_ddp``.
+Importing lightning_muon registers its strategies (muon_ddp, muon_fsdp) by name.
+"""
+
+from __future__ import annotations
+
+import lightning.pytorch as pl
+from lightning.pytorch.cli import LightningCLI
+from torch import nn
+
+from lightning_muon import MuonConfig, MuonModuleMixin
+from lightning_muon.digits import DigitsDataModule
+
+
+class DigitsMLP(MuonModuleMixin, pl.LightningModule):
+    """A small MLP classifier; ``muon_config`` (every MuonConfig field) comes from the YAML file."""
+
+    def __init__(self, hidden: int = 256, muon_config: MuonConfig | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        self.net = nn.Sequential(
+            nn.Linear(64, hidden), nn.GELU(), nn.Linear(hidden, hidden), nn.GELU(), nn.Linear(hidden, 10)
+        )
+
+    def training_step(self, batch, batch_idx):
+        x, y = batch
+        loss = nn.functional.cross_entropy(self.net(x), y)
+        self.log("train_loss", loss, prog_bar=True)
+        return loss
+
+    def validation_step(self, batch, batch_idx):
+        x, y = batch
+        logits = self.net(x)
+        self.log("val_loss", nn.functional.cross_entropy(logits, y), prog_bar=True)
+        self.log("val_acc", (logits.argmax(-1) == y).float().mean(), prog_bar=True)
+
+
+def main(args: list[str] | None = None) -> LightningCLI:
+    return LightningCLI(DigitsMLP, DigitsDataModule, save_config_kwargs={"overwrite": True}, args=args)
+
+
+if __name__ == "__main__":
+    main()

@@ -1,0 +1,227 @@
+"""Muon against AdamW on the bundled character-level GPT: the runs behind the main job and the quality benchmark.
+
+One ``RunSpec`` describes one training run of ``CharGPTModule`` on the default corpus (the
+Python standard library's source, see ``lightning_muon.data``); ``train`` runs it with a
+Lightning ``Trainer`` and returns the validation loss measured every ``eval_every`` steps.
+The two optimizers share everything but the optimizer: model, data order (``seed``),
+schedule (linear warmup, stable, linear cooldown) and gradient clipping. The Muon run
+routes hidden matrices to Muon and embeddings, head and vectors to AdamW; the AdamW run
+sends every parameter to AdamW.
+"""
+
+from __future__ import annotations
+
+import math
+import os
+import platform
+import time
+from collections.abc import Sequence
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from lightning.pytorch.callbacks import Callback
+
+from lightning_muon.config import MuonConfig
+from lightning_muon.data import CharTextDataModule
+from lightning_muon.demo import CharGPTModule
+from lightning_muon.routing import Rule
+
+__all__ = [
+    "OPTIMIZERS",
+    "RunSpec",
+    "ValLossRecorder",
+    "machine_name",
+    "muon_config_for",
+    "plot_curves",
+    "steps_to_reach",
+    "train",
+]
+
+OPTIMIZERS = ("muon", "adamw")
+
+
+@dataclass(kw_only=True)
+class RunSpec:
+    """One training run of the demo GPT."""
+
+    optimizer: str = "muon"
+    """``"muon"`` (hidden matrices to Muon, the rest to AdamW) or ``"adamw"`` (everything to AdamW)."""
+    steps: int = 300
+    """Optimizer steps."""
+    lr: float | None = None
+    """Muon lr for ``"muon"``, AdamW lr for ``"adamw"``; None: 0.02 and 3e-3."""
+    adamw_lr: float = 3e-3
+    """AdamW lr of the Muon run's embeddings, head and vectors."""
+    ns_coefficients: str = "polar_express"
+    """Newton-Schulz coefficient schedule of the Muon run."""
+    seed: int = 0
+    """Model initialisation and training-window order."""
+    eval_every: int = 25
+    """Validation every this many steps (and after the last)."""
+    n_layer: int = 2
+    n_head: int = 4
+    n_embd: int = 128
+    block_size: int = 64
+    batch_size: int = 32
+    val_samples: int = 64
+    """Fixed validation windows (the same for every run)."""
+    max_chars: int = 2_000_000
+    """Characters of the corpus read."""
+
+    def __post_init__(self) -> None:
+        if self.optimizer not in OPTIMIZERS:
+            raise ValueError(f"optimizer must be one of {OPTIMIZERS}, got {self.optimizer!r}")
+        for name in ("steps", "eval_every", "n_layer", "n_head", "n_embd", "block_size", "batch_size", "val_samples"):
+            value = getattr(self, name)
+            if isinstance(value, bool) or not isinstance(value, int) or value < 1:
+                raise ValueError(f"{name} must be a positive int, got {value!r}")
+        if self.lr is not None and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
+            raise ValueError(f"lr must be a positive finite number or None, got {self.lr!r}")
+
+    @property
+    def label(self) -> str:
+        lr = self.lr if self.lr is not None else (0.02 if self.optimizer == "muon" else 3e-3)
+        extra = f", {self.ns_coefficients}" if self.optimizer == "muon" else ""
+        return f"{self.optimizer} (lr {lr:g}{extra})"
+
+
+def muon_config_for(spec: RunSpec) -> MuonConfig:
+    """The optimizer and schedule of ``spec``: warmup 5%, stable, linear cooldown over the last 30%."""
+    schedule = dict(falloff="wsd", warmup=0.05, cooldown=0.3, total_steps=spec.steps)
+    if spec.optimizer == "muon":
+        return MuonConfig(
+            lr=0.02 if spec.lr is None else spec.lr,
+            momentum=0.95,
+            weight_decay=0.01,
+            ns_coefficients=spec.ns_coefficients,
+            # Moonlight's scale: the Muon update has AdamW's RMS, so weight decay and lr transfer.
+            adjust_lr="match_rms_adamw",
+            adamw_lr=spec.adamw_lr,
+            adamw_weight_decay=0.01,
+            momentum_warmup_steps=min(100, spec.steps // 4),
+            **schedule,
+        )
+    return MuonConfig(
+        default_rules=False,
+        rules=[
+            Rule(name="matrices", algorithm="adamw", group="adamw", min_ndim=2),
+            Rule(name="vectors", algorithm="adamw", group="adamw_no_decay", options={"weight_decay": 0.0}),
+        ],
+        adamw_lr=3e-3 if spec.lr is None else spec.lr,
+        adamw_weight_decay=0.01,
+        **schedule,
+    )
+
+
+class ValLossRecorder(Callback):
+    """Keeps ``(global_step, val_loss)`` after every validation run (not the sanity check)."""
+
+    def __init__(self) -> None:
+        self.steps: list[int] = []
+        self.val_loss: list[float] = []
+
+    def on_validation_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        if trainer.sanity_checking or "val_loss" not in trainer.callback_metrics:
+            return
+        step = trainer.global_step
+        if self.steps and self.steps[-1] == step:  # the end-of-fit validation may repeat a step
+            return
+        self.steps.append(step)
+        self.val_loss.append(float(trainer.callback_metrics["val_loss"]))
+
+
+def train(
+    spec: RunSpec,
+    *,
+    progress_bar: bool = False,
+    callbacks: Sequence[Callback] = (),
+    logger: Any = False,
+    root_dir: str | Path | None = None,
+) -> dict[str, Any]:
+    """Train ``spec`` and return ``{"spec", "label", "steps", "val_loss", "seconds"}``."""
+    pl.seed_everything(spec.seed, verbose=False)
+    module = CharGPTModule(
+        block_size=spec.block_size,
+        n_layer=spec.n_layer,
+        n_head=spec.n_head,
+        n_embd=spec.n_embd,
+        muon_config=muon_config_for(spec),
+    )
+    data = CharTextDataModule(
+        block_size=spec.block_size,
+        batch_size=spec.batch_size,
+        val_samples=spec.val_samples,
+        max_chars=spec.max_chars,
+        train_samples_per_epoch=spec.steps * spec.batch_size,
+        seed=spec.seed,
+    )
+    recorder = ValLossRecorder()
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=1,
+        max_steps=spec.steps,
+        val_check_interval=spec.eval_every,
+        check_val_every_n_epoch=None,
+        num_sanity_val_steps=0,
+        gradient_clip_val=1.0,
+        logger=logger,
+        callbacks=[recorder, *callbacks],
+        enable_progress_bar=progress_bar,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        default_root_dir=root_dir,
+    )
+    start = time.perf_counter()
+    trainer.fit(module, datamodule=data)
+    if not recorder.steps or recorder.steps[-1] != trainer.global_step:
+        trainer.validate(module, datamodule=data, verbose=False)
+    return {
+        "spec": asdict(spec),
+        "label": spec.label,
+        "steps": recorder.steps,
+        "val_loss": recorder.val_loss,
+        "seconds": time.perf_counter() - start,
+    }
+
+
+def steps_to_reach(steps: Sequence[int], losses: Sequence[float], target: float) -> int | None:
+    """The first evaluated step whose loss is at most ``target`` (None if never)."""
+    return next((s for s, loss in zip(steps, losses) if loss <= target), None)
+
+
+def plot_curves(runs: Sequence[dict[str, Any]], path: str | Path, title: str) -> Path:
+    """A PNG of validation loss against step, one line per run."""
+    import matplotlib
+
+    matplotlib.use("Agg")  # no display needed
+    import matplotlib.pyplot as plt
+
+    fig, ax = plt.subplots(figsize=(7, 4.2), dpi=120)
+    for run in runs:
+        ax.plot(run["steps"], run["val_loss"], marker="o", markersize=3, label=run["label"])
+    ax.set_xlabel("optimizer step")
+    ax.set_ylabel("validation loss (nats per byte)")
+    ax.set_title(title)
+    ax.grid(alpha=0.3)
+    ax.legend()
+    fig.tight_layout()
+    path = Path(path)
+    path.parent.mkdir(parents=True, exist_ok=True)
+    fig.savefig(path)
+    plt.close(fig)
+    return path
+
+
+def machine_name() -> str:
+    """``"<CPU model>, <cores> cores, <threads> torch threads, torch <version>[, GPU <name>]"``."""
+    cpu = platform.processor() or platform.machine() or "unknown CPU"
+    try:
+        with open("/proc/cpuinfo") as f:
+            cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
+    except OSError:
+        pass
+    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}{gpu}"
