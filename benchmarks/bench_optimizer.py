@@ -1,5 +1,5 @@
 """Benchmarks: Newton-Schulz accuracy, optimizer step time against torch.optim.Muon,
-throughput against plain matmul, and the batching threshold.
+throughput against plain matmul, the batching threshold, and Gram Newton-Schulz.
 
 One run prints every table from the same inputs (fixed seeds) on one machine, names
 that machine first, and writes the same numbers as JSON. Ratios measured in the run
@@ -36,15 +36,18 @@ from lightning_muon.muon import Muon
 from lightning_muon.newton_schulz import (
     BATCH_MAX_ELEMENTS,
     COEFFICIENTS,
+    GRAM_MIN_ASPECT,
+    GRAM_MIN_SHORT_SIDE,
     bf16_matmul_is_fast,
     ns_flops,
     orthogonalize,
     orthogonalize_many,
     resolve_ns_dtype,
+    resolve_ns_method,
 )
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_optimizer.json"
-SECTIONS = ("accuracy", "step", "roofline", "batching")
+SECTIONS = ("accuracy", "step", "roofline", "batching", "gram")
 NS_STEPS = 5
 
 # Hyperparameters shared by our Muon and the torch reference (values do not change the cost).
@@ -59,6 +62,8 @@ STEP_RATIO_SMALL_MAX = 0.35
 SMALL_MODEL = (64, 12)
 ROOFLINE_MIN = 0.85
 ROOFLINE_FROM_DIM = 384
+GRAM_SPEEDUP_MIN = 1.3  # standard / gram time on m x 4m, m >= GRAM_MIN_SHORT_SIDE
+GRAM_ERROR_RTOL = 1e-3  # "equal error": |err gram - err standard| <= this * err standard
 
 # Where bf16 matmul has no fast kernel (AVX2-only CPUs: ~1-20 GFLOP/s against ~150 in
 # fp32), bf16 roofline entries above this many FLOPs per call are skipped.
@@ -569,6 +574,119 @@ def bench_batching(settings: Settings) -> dict[str, Any]:
     return {"count": count, "dtype": _dtype_name(auto), "batch_max_elements": BATCH_MAX_ELEMENTS, "rows": rows}
 
 
+# ---------------------------------------------------------------- 5. gram
+
+
+def measure_pair(
+    f: Callable[[], Any], g: Callable[[], Any], settings: Settings, budget_s: float
+) -> tuple[Timing, Timing]:
+    """Median times of ``f`` and ``g``, called alternately after one warm-up call each.
+
+    Alternating exposes both to the same background load, which on a shared machine
+    moves more than either's own variation.
+    """
+    device = settings.device
+
+    def once(fn: Callable[[], Any]) -> float:
+        _sync(device)
+        start = time.perf_counter()
+        fn()
+        _sync(device)
+        return time.perf_counter() - start
+
+    first_f, first_g = once(f), once(g)
+    if first_f + first_g >= budget_s:  # as in ``measure``: the warm-up calls are the samples
+        return Timing(first_f, 1, True), Timing(first_g, 1, True)
+    a: list[float] = []
+    b: list[float] = []
+    while len(a) < settings.max_reps and (not a or sum(a) + sum(b) + a[-1] + b[-1] <= budget_s):
+        a.append(once(f))
+        b.append(once(g))
+    return Timing(statistics.median(a), len(a), False), Timing(statistics.median(b), len(b), False)
+
+
+def bench_gram(settings: Settings) -> dict[str, Any]:
+    """Standard vs Gram Newton-Schulz (5 polar_express steps, float32): time and error vs SVD."""
+    device = settings.device
+    dims: tuple[int, ...] = (32,) if settings.quick else (64, 128, 256, 512, 1024)
+    aspects = (1, 4) if settings.quick else (1, 2, 3, 4)
+    budget = min(settings.budget_s, 2.0)
+    dtype = torch.float32
+    rows, targets, table_rows = [], [], []
+    for m in dims:
+        for aspect in aspects:
+            n = aspect * m
+            G64, polar = _conditioned_matrix(m, n, seed=m + aspect)
+            G, polar = G64.to(device, dtype), polar.to(device)
+            errors = {}
+            for method in ("standard", "gram"):
+                out = orthogonalize(G, NS_STEPS, "polar_express", dtype, method).double()  # (m, n)
+                errors[method] = float(torch.linalg.matrix_norm(out - polar) / torch.linalg.matrix_norm(polar))
+            std, gram = measure_pair(
+                lambda G=G: orthogonalize(G, NS_STEPS, "polar_express", dtype, "standard"),
+                lambda G=G: orthogonalize(G, NS_STEPS, "polar_express", dtype, "gram"),
+                settings,
+                budget,
+            )
+            speedup = std.seconds / gram.seconds
+            error_gap = abs(errors["gram"] - errors["standard"]) / errors["standard"]
+            auto = resolve_ns_method("auto", m, n, dtype)
+            row = {
+                "shape": [m, n],
+                "standard_ms": std.seconds * 1e3,
+                "gram_ms": gram.seconds * 1e3,
+                "speedup": speedup,
+                "flop_ratio": ns_flops(m, n, NS_STEPS) / ns_flops(m, n, NS_STEPS, method="gram"),
+                "standard_error": errors["standard"],
+                "gram_error": errors["gram"],
+                "relative_error_gap": error_gap,
+                "auto_picks": auto,
+                "timings": {"standard": std.as_dict(), "gram": gram.as_dict()},
+            }
+            rows.append(row)
+            _progress(f"gram {m}x{n}: standard/gram {speedup:.2f}, error gap {error_gap:.1e}")
+            check = ""
+            if aspect == 4 and m >= GRAM_MIN_SHORT_SIDE:
+                name = f"gram: standard/gram time at equal error, {m}x{n} fp32"
+                value = speedup if error_gap <= GRAM_ERROR_RTOL else 0.0
+                targets.append(_target(name, value, ">=", GRAM_SPEEDUP_MIN))
+                check = f">= {GRAM_SPEEDUP_MIN}: {_verdict(targets[-1]['passed'])}"
+            table_rows.append(
+                [
+                    f"{m}x{n}",
+                    std.seconds * 1e3,
+                    gram.seconds * 1e3,
+                    speedup,
+                    row["flop_ratio"],
+                    errors["standard"],
+                    errors["gram"],
+                    error_gap,
+                    auto,
+                    check,
+                ]
+            )
+    print(f"\n== gram: standard vs Gram Newton-Schulz, {NS_STEPS} polar_express steps, float32, ms per call ==")
+    print(
+        "err = ||O - U V^T||_F / ||U V^T||_F (s in [1e-3, 1]); gap = |err gram - err std| / err std; "
+        "speed-up = standard / gram time (calls alternated, medians)"
+    )
+    print(
+        f"auto picks gram for long side >= {GRAM_MIN_ASPECT:g} x short side >= {GRAM_MIN_SHORT_SIDE} "
+        "in float32/float64 (newton_schulz.GRAM_MIN_ASPECT, GRAM_MIN_SHORT_SIDE)"
+    )
+    headers = ["shape", "std ms", "gram ms", "speed-up", "FLOP ratio", "err std", "err gram", "gap", "auto", "target"]
+    print(_table(headers, table_rows))
+    return {
+        "dtype": _dtype_name(dtype),
+        "steps": NS_STEPS,
+        "schedule": "polar_express",
+        "gram_min_aspect": GRAM_MIN_ASPECT,
+        "gram_min_short_side": GRAM_MIN_SHORT_SIDE,
+        "rows": rows,
+        "targets": targets,
+    }
+
+
 # ---------------------------------------------------------------- main
 
 BENCHES: dict[str, Callable[[Settings], dict[str, Any]]] = {
@@ -576,6 +694,7 @@ BENCHES: dict[str, Callable[[Settings], dict[str, Any]]] = {
     "step": bench_step,
     "roofline": bench_roofline,
     "batching": bench_batching,
+    "gram": bench_gram,
 }
 
 

@@ -1,12 +1,13 @@
 """lightning_muon: train PyTorch Lightning models with the Muon optimizer."""
 
+from lightning_muon.callbacks import UpdateSpectrumMonitor
 from lightning_muon.config import MuonConfig
 from lightning_muon.module import MuonModuleMixin, build_optimizers, build_schedulers, configure_muon_optimizers
 from lightning_muon.muon import Muon
 from lightning_muon.newton_schulz import COEFFICIENTS, orthogonalize
 from lightning_muon.routing import ParamGroups, Rule, route_parameters
 from lightning_muon.schedules import LRSchedule, MuonScheduler
-from lightning_muon.strategies import MuonDDPStrategy
+from lightning_muon.strategies import MuonDDPStrategy, MuonFSDPStrategy
 
 __all__ = [
     "COEFFICIENTS",
@@ -14,10 +15,12 @@ __all__ = [
     "Muon",
     "MuonConfig",
     "MuonDDPStrategy",
+    "MuonFSDPStrategy",
     "MuonModuleMixin",
     "MuonScheduler",
     "ParamGroups",
     "Rule",
+    "UpdateSpectrumMonitor",
     "build_optimizers",
     "build_schedulers",
     "configure_muon_optimizers",

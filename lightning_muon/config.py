@@ -3,16 +3,20 @@
 from __future__ import annotations
 
 import dataclasses
+import operator
+from collections.abc import Callable
 from dataclasses import dataclass, field
 from typing import Any
 
 import torch
 
+from lightning_muon.functional import ADJUST_LR_ALIASES, SECOND_MOMENTS
 from lightning_muon.muon import Muon
+from lightning_muon.newton_schulz import COEFFICIENTS
 from lightning_muon.routing import DEFAULT_HEAD_NAMES, Rule
 from lightning_muon.schedules import FALLOFFS, LRSchedule, MomentumWarmup, steps_of
 
-__all__ = ["MuonConfig"]
+__all__ = ["MEGATRON_COEFFICIENTS", "QKV_NAMES", "MuonConfig"]
 
 _OPTIMIZER_FIELDS = (
     "lr",
@@ -24,6 +28,13 @@ _OPTIMIZER_FIELDS = (
     "ns_dtype",
     "adjust_lr",
     "extra_scale_factor",
+    "momentum_form",
+    "second_moment",
+    "second_moment_beta2",
+    "second_moment_eps",
+    "sign_momentum",
+    "weight_decay_form",
+    "ns_method",
     "adamw_lr",
     "adamw_betas",
     "adamw_eps",
@@ -33,6 +44,29 @@ _OPTIMIZER_FIELDS = (
     "lion_weight_decay",
     "nonfinite",
 )
+
+# Megatron-Core's ``coefficient_type`` names (emerging_optimizers ``muon_utils``) and their
+# schedules here. Megatron cycles a list when ``num_ns_steps`` is a multiple of its length
+# (and raises otherwise): those become explicit lists below.
+MEGATRON_COEFFICIENTS: dict[str, str | list[tuple[float, float, float]]] = {
+    "simple": "keller",  # (3.4445, -4.7750, 2.0315) at every step
+    "quintic": "you",  # Megatron's default, You Jiacheng's 5-step tuning
+    # The paper's 8 tuples with the 1.01 safety folded in (Megatron rounds them to 4 digits),
+    # last repeated; Megatron requires num_ns_steps >= 8, shorter runs take the first tuples.
+    # Megatron pre-scales by ||X||_F, ours by 1.01 ||X||_F (NORMALIZATION["polar_express_paper"]).
+    "polar_express": "polar_express_paper",
+    # Megatron's "aol" list, from thib-s/flash-newton-schulz (Boissin et al.), 4 tuples.
+    "aol": [
+        (4.0098, -7.0585, 2.4635),
+        (3.4585, -5.5479, 2.5959),
+        (2.7573, -3.2939, 1.4254),
+        (2.7215, -3.0494, 1.3169),
+    ],
+}
+_MEGATRON_SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm")
+# Parameter names treated as fused QKV weights by ``split_qkv`` (besides Megatron's
+# ``is_qkv`` attribute): Megatron-Core, timm/ViT, GPT-2/nanoGPT, GPT-NeoX, nn.MultiheadAttention.
+QKV_NAMES = r"(^|\.)(linear_qkv|qkv|qkv_proj|c_attn|query_key_value)\.weight$|(^|\.)in_proj_weight$"
 
 
 @dataclass(kw_only=True)
@@ -62,6 +96,33 @@ class MuonConfig:
     """Update scale by shape: original, match_rms_adamw, spectral, spectral_norm, none (+ Megatron aliases)."""
     extra_scale_factor: float = 1.0
     """Multiplies the adjusted Muon lr."""
+    momentum_form: str = "ema"
+    """Muon momentum: "ema" (B <- mu B + (1 - mu) G) or "sum" (B <- mu B + G)."""
+    second_moment: str | None = None
+    """None, "normuon" (per-row second moment, arXiv 2510.05491) or "adamuon" (per element, arXiv 2507.11005)."""
+    second_moment_beta2: float = 0.95
+    """Decay of the NorMuon / AdaMuon second moment."""
+    second_moment_eps: float = 1e-8
+    """Added to the root of the NorMuon / AdaMuon second moment."""
+    sign_momentum: bool = False
+    """Orthogonalize sign(momentum) (AdaMuon's sign-stabilized update)."""
+    weight_decay_form: str = "decoupled"
+    """Muon weight decay: "decoupled" or "cautious" (only where update and weight agree in sign)."""
+    ns_method: str = "auto"
+    """Newton-Schulz iteration: "auto", "standard" or "gram" (Gram Newton-Schulz)."""
+    # --- Megatron-Core names (mapped onto the fields above) -----------------------------
+    coefficient_type: str | None = None
+    """Megatron's schedule name: simple, quintic, polar_express, aol or custom (-> ns_coefficients)."""
+    num_ns_steps: int | None = None
+    """Megatron's name for ns_steps."""
+    scale_mode: str | None = None
+    """Megatron's shape_scaling, spectral or unit_rms_norm (-> adjust_lr)."""
+    split_qkv: bool = False
+    """Orthogonalize Q, K and V of fused QKV weights separately (needs qkv_split_shapes)."""
+    qkv_split_shapes: tuple[int, ...] | None = None
+    """Rows of Q, K, V per query group, e.g. (heads_per_group * head_dim, head_dim, head_dim)."""
+    moment2_method: str | None = None
+    """Megatron's adamuon or normuon (-> second_moment)."""
     # --- AdamW / Lion groups -------------------------------------------------------------
     scalar_optimizer: str = "adamw"
     """Algorithm for embeddings, head and vectors under the default rules: "adamw" or "lion"."""
@@ -117,6 +178,7 @@ class MuonConfig:
         self.lion_betas = tuple(self.lion_betas)
         if self.ns_coefficients is not None and not isinstance(self.ns_coefficients, str):
             self.ns_coefficients = [tuple(abc) for abc in self.ns_coefficients]
+        self._map_megatron_names()
         if self.scalar_optimizer not in ("adamw", "lion"):
             raise ValueError(f"MuonConfig.scalar_optimizer must be 'adamw' or 'lion', got {self.scalar_optimizer!r}")
         if self.falloff not in FALLOFFS:
@@ -149,6 +211,91 @@ class MuonConfig:
         except ValueError as err:
             raise ValueError(f"MuonConfig: {err}") from None
 
+    def _map_megatron_names(self) -> None:
+        """Carry Megatron-Core's names over to ours; a clash with a field set to another value raises.
+
+        A field of ours left at its default takes the Megatron value; one set to the same
+        value is fine; one set to a different value raises naming both.
+        """
+        defaults = {f.name: f.default for f in dataclasses.fields(self)}
+
+        def take(megatron: str, ours: str, value: Any, same: Callable[[Any, Any], bool] = operator.eq) -> None:
+            current = getattr(self, ours)
+            if current != defaults[ours] and not same(current, value):
+                raise ValueError(
+                    f"MuonConfig: {megatron}={getattr(self, megatron)!r} and {ours}={current!r} disagree; "
+                    f"set one of them ({megatron} maps to {ours}={value!r})"
+                )
+            setattr(self, ours, value)
+
+        if self.num_ns_steps is not None:
+            if isinstance(self.num_ns_steps, bool) or not isinstance(self.num_ns_steps, int) or self.num_ns_steps < 1:
+                raise ValueError(f"MuonConfig.num_ns_steps must be a positive int, got {self.num_ns_steps!r}")
+            take("num_ns_steps", "ns_steps", self.num_ns_steps)
+        if self.coefficient_type is not None:
+            take("coefficient_type", "ns_coefficients", self._megatron_schedule(), _same_schedule)
+        if self.scale_mode is not None:
+            if self.scale_mode not in _MEGATRON_SCALE_MODES:
+                raise ValueError(
+                    f"MuonConfig.scale_mode must be one of {_MEGATRON_SCALE_MODES}, got {self.scale_mode!r}"
+                )
+            take("scale_mode", "adjust_lr", self.scale_mode, _same_adjust_lr)
+        if self.moment2_method is not None:
+            if self.moment2_method not in SECOND_MOMENTS:
+                raise ValueError(
+                    f"MuonConfig.moment2_method must be one of {SECOND_MOMENTS}, got {self.moment2_method!r}"
+                )
+            take("moment2_method", "second_moment", self.moment2_method)
+        if not isinstance(self.split_qkv, bool):
+            raise ValueError(f"MuonConfig.split_qkv must be a bool, got {self.split_qkv!r}")
+        if self.qkv_split_shapes is not None:
+            shapes = tuple(self.qkv_split_shapes)
+            if not shapes or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in shapes):
+                raise ValueError(
+                    "MuonConfig.qkv_split_shapes must be a non-empty list of positive ints, "
+                    f"got {self.qkv_split_shapes!r}"
+                )
+            self.qkv_split_shapes = shapes
+        if self.split_qkv and self.qkv_split_shapes is None:
+            raise ValueError(
+                "MuonConfig.split_qkv needs qkv_split_shapes, the rows of Q, K and V per query group "
+                "(Megatron derives them from the model: heads / groups * kv_channels, kv_channels, kv_channels)"
+            )
+
+    def _megatron_schedule(self) -> str | list[tuple[float, float, float]]:
+        name = self.coefficient_type
+        if name == "custom":
+            if isinstance(self.ns_coefficients, str):
+                raise ValueError("MuonConfig: coefficient_type='custom' needs ns_coefficients as a list of (a, b, c)")
+            return self.ns_coefficients
+        if name not in MEGATRON_COEFFICIENTS:
+            raise ValueError(
+                f"MuonConfig.coefficient_type must be one of {[*MEGATRON_COEFFICIENTS, 'custom']}, got {name!r}"
+            )
+        schedule = MEGATRON_COEFFICIENTS[name]
+        if name in ("quintic", "aol"):
+            cycle = list(schedule) if isinstance(schedule, list) else list(COEFFICIENTS[schedule])
+            if isinstance(self.ns_steps, int) and self.ns_steps > len(cycle):  # Megatron repeats the whole list
+                return [cycle[i % len(cycle)] for i in range(self.ns_steps)]
+        return schedule
+
+    def qkv_rules(self) -> list[Rule]:
+        """The routing rules ``split_qkv`` adds: fused QKV weights to Muon, split by ``qkv_split_shapes``.
+
+        A weight matches by Megatron's ``is_qkv`` attribute or by its name (the ``QKV_NAMES`` regex). The
+        split follows Megatron: the rows are query groups of ``sum(qkv_split_shapes)`` rows
+        each, and Q (K, V) gathers its rows from every group.
+        """
+        if not self.split_qkv:
+            return []
+        options = {"split_sizes": list(self.qkv_split_shapes)}
+        return [
+            Rule(
+                name="split_qkv", algorithm="muon", group="muon_qkv", attributes="is_qkv", min_ndim=2, options=options
+            ),
+            Rule(name="qkv_names", algorithm="muon", group="muon_qkv", regex=QKV_NAMES, min_ndim=2, options=options),
+        ]
+
     def optimizer_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``Muon``."""
         return {name: getattr(self, name) for name in _OPTIMIZER_FIELDS}
@@ -156,7 +303,7 @@ class MuonConfig:
     def routing_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``route_parameters``."""
         return dict(
-            rules=self.rules,
+            rules=[*self.rules, *self.qkv_rules()],
             default_rules=self.default_rules,
             max_aspect_ratio=self.max_aspect_ratio,
             head_names=self.head_names,
@@ -200,6 +347,16 @@ class MuonConfig:
             for r in self.rules
         ]
         return out
+
+
+def _same_schedule(a: Any, b: Any) -> bool:
+    if isinstance(a, str) or isinstance(b, str):
+        return a == b
+    return [tuple(float(v) for v in abc) for abc in a] == [tuple(float(v) for v in abc) for abc in b]
+
+
+def _same_adjust_lr(a: str, b: str) -> bool:
+    return ADJUST_LR_ALIASES.get(a, a) == ADJUST_LR_ALIASES.get(b, b)
 
 
 def _rule(index: int, value: Rule | dict[str, Any]) -> Rule:

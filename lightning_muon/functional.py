@@ -1,4 +1,5 @@
-"""Pure update rules behind ``Muon``: Muon momentum and apply, AdamW, Lion.
+"""Pure update rules behind ``Muon``: Muon momentum (EMA or sum), second moments (NorMuon,
+AdaMuon), apply (decoupled or cautious weight decay), AdamW, Lion.
 
 The optimizer class collects tensors and state; these functions do the math on
 lists of tensors with ``torch._foreach_*`` kernels. The distributed strategies
@@ -18,14 +19,27 @@ from lightning_muon.newton_schulz import orthogonalize_many
 __all__ = [
     "ADJUST_LR_ALIASES",
     "ADJUST_LR_MODES",
+    "MOMENTUM_FORMS",
+    "SECOND_MOMENTS",
+    "WEIGHT_DECAY_FORMS",
     "adamw_",
     "adjust_lr_ratio",
     "lion_",
+    "matrix_slots",
     "matrix_views",
     "muon_apply_",
     "muon_momentum_",
     "muon_orthogonalize",
+    "muon_second_moment_",
+    "second_moment_buffer",
 ]
+
+# EMA: B <- mu B + (1 - mu) G (torch.optim.Muon, Keller Jordan); sum: B <- mu B + G (Moonlight, dion).
+MOMENTUM_FORMS = ("ema", "sum")
+# Decoupled: W <- W (1 - lr wd); cautious: only where the update and W agree in sign.
+WEIGHT_DECAY_FORMS = ("decoupled", "cautious")
+# Second moments of the orthogonalized update: per row (NorMuon) or per element (AdaMuon).
+SECOND_MOMENTS = ("normuon", "adamuon")
 
 # Update scale per matrix shape (rows, cols), times ``extra_scale_factor``.
 ADJUST_LR_MODES = {
@@ -50,25 +64,59 @@ def adjust_lr_ratio(mode: str, rows: int, cols: int, extra_scale_factor: float =
 
 
 def matrix_views(t: Tensor, split_sizes: Sequence[int] | None = None, batched: bool = False) -> list[Tensor]:
-    """Views of a contiguous tensor as the matrices Muon orthogonalizes.
+    """The matrices Muon orthogonalizes in a contiguous tensor (views, except grouped splits).
 
     - ``batched``: a (..., rows, cols) tensor is one batch of matrices (MoE experts).
     - otherwise the tensor is flattened to (dim 0, rest) (convs: (out, in * kh * kw)),
-      then split along dim 0 by ``split_sizes`` when given (fused QKV).
+      then split along dim 0 by ``split_sizes`` when given (fused QKV). When the sizes sum
+      to a proper divisor of dim 0, the rows are that many consecutive groups laid out
+      alike (Megatron's fused QKV: per query group ``[q | k | v]``), and piece ``i`` is the
+      ``(groups * split_sizes[i], cols)`` matrix of the ``i``-th block of every group: a
+      copy, since those rows are not evenly spaced. ``matrix_slots`` gives writable views.
+    """
+    slots = matrix_slots(t, split_sizes, batched)
+    if batched or slots[0].ndim == 2:
+        return slots
+    return [s.reshape(-1, s.shape[-1]) for s in slots]
+
+
+def matrix_slots(t: Tensor, split_sizes: Sequence[int] | None = None, batched: bool = False) -> list[Tensor]:
+    """Writable views of a contiguous tensor, one per matrix of ``matrix_views``.
+
+    Each slot holds its matrix's elements in the matrix's row order: the matrix itself,
+    or for a grouped split a (groups, split_sizes[i], cols) strided view, so that
+    ``slot.copy_(matrix.view(slot.shape))`` writes a matrix back.
     """
     if batched:
         return [t.view(-1, *t.shape[-2:])]
     flat = t.view(t.shape[0], -1)
-    if split_sizes:
-        return list(flat.split(list(split_sizes), dim=0))
-    return [flat]
+    if not split_sizes:
+        return [flat]
+    sizes = list(split_sizes)
+    groups = flat.shape[0] // sum(sizes)
+    if groups == 1:
+        return list(flat.split(sizes, dim=0))
+    return list(flat.view(groups, sum(sizes), -1).split(sizes, dim=1))  # (groups, size_i, cols) each
 
 
-def muon_momentum_(grads: list[Tensor], bufs: list[Tensor], momentum: float, nesterov: bool) -> list[Tensor]:
-    """EMA momentum ``B <- mu B + (1 - mu) G``; returns the tensors to orthogonalize.
+def muon_momentum_(
+    grads: list[Tensor], bufs: list[Tensor], momentum: float, nesterov: bool, form: str = "ema"
+) -> list[Tensor]:
+    """Update the momentum buffers in place; returns the tensors to orthogonalize.
 
-    With Nesterov the update is ``(1 - mu) G + mu B`` (``G.lerp(B, mu)``), else ``B``.
+    - ``"ema"`` (torch.optim.Muon): ``B <- mu B + (1 - mu) G``; with Nesterov the update is
+      ``(1 - mu) G + mu B`` (``G.lerp(B, mu)``), else ``B``.
+    - ``"sum"`` (Moonlight, dion): ``B <- mu B + G``; with Nesterov ``G + mu B``, else ``B``.
+      ``B`` is ``1 / (1 - mu)`` times larger than the EMA in steady state, which the
+      orthogonalization (and a second moment's rescale) removes; only the relative weight
+      of the current gradient in the Nesterov update differs (1 against ``1 - mu``).
     """
+    if form == "sum":
+        torch._foreach_mul_(bufs, momentum)
+        torch._foreach_add_(bufs, grads)
+        if nesterov:
+            return list(torch._foreach_add(grads, bufs, alpha=momentum))
+        return list(bufs)
     torch._foreach_lerp_(bufs, grads, 1.0 - momentum)
     if nesterov:
         return list(torch._foreach_lerp(grads, bufs, momentum))
@@ -83,12 +131,80 @@ def muon_orthogonalize(
     ns_dtype,
     split_sizes: Sequence[int] | None,
     batched: bool,
+    ns_method: str = "standard",
 ) -> list[list[Tensor]]:
     """Orthogonalize every update's matrices; returns, per update, its list of pieces."""
     pieces = [matrix_views(u.contiguous(), split_sizes, batched) for u in updates]
     flat = [m for ms in pieces for m in ms]
-    ortho = iter(orthogonalize_many(flat, ns_steps, ns_coefficients, ns_dtype))
+    ortho = iter(orthogonalize_many(flat, ns_steps, ns_coefficients, ns_dtype, ns_method))
     return [[next(ortho) for _ in ms] for ms in pieces]
+
+
+def second_moment_buffer(p: Tensor, method: str, batched: bool = False) -> Tensor:
+    """A zero second-moment buffer for parameter ``p``, made from ``p`` (a DTensor gives a DTensor).
+
+    ``"adamuon"``: shaped like ``p``. ``"normuon"``: one entry per matrix row, shaped like
+    ``p`` with its columns reduced to 1: ``(p.shape[0], 1)`` for the flattened (dim 0, rest)
+    matrix, ``(*p.shape[:-1], 1)`` for a batch of matrices. With ``split_sizes`` every piece
+    owns its rows of the same buffer (``matrix_slots(buffer, split_sizes)``), so one plain
+    tensor per parameter serves fused QKV too, and a row shard of ``p`` (FSDP2, dim 0) holds
+    the rows of the buffer it needs.
+    """
+    if method == "adamuon":
+        return torch.zeros_like(p, memory_format=torch.contiguous_format)
+    rows = p[..., :1] if batched else p.reshape(p.shape[0], -1)[:, :1]
+    return torch.zeros_like(rows, memory_format=torch.contiguous_format)
+
+
+def muon_second_moment_(
+    ortho: list[list[Tensor]],
+    buffers: list[Tensor],
+    *,
+    method: str,
+    beta2: float,
+    eps: float,
+    split_sizes: Sequence[int] | None,
+    batched: bool,
+) -> list[list[Tensor]]:
+    """Normalize orthogonalized pieces by a second moment; returns the new pieces.
+
+    For each matrix ``O`` (buffers updated in place)::
+
+        v <- beta2 v + (1 - beta2) mean_cols(O * O)     # "normuon": one v per row
+        v <- beta2 v + (1 - beta2) O * O                # "adamuon": one v per element
+        O_hat <- O / (sqrt(v) + eps)
+        O_hat <- O_hat * ||O||_F / ||O_hat||_F          # the update keeps plain Muon's size
+
+    The last line makes the update's Frobenius norm (and RMS) exactly plain Muon's, so a
+    Muon lr (and ``adjust_lr``) carries over unchanged; no bias correction is needed, the
+    rescale removes it. Both papers rescale to an RMS of 0.2 instead
+    (``0.2 sqrt(m n) / ||O_hat||_F``): with ``adjust_lr="match_rms_adamw"`` ours equals that
+    times ``||O||_F / sqrt(min(m, n))``, which is 1 for an exact polar factor. Each matrix is
+    rescaled alone: every piece of a split, every matrix of a batch. The statistics are per
+    row or per element; only the two norms span a matrix.
+
+    References:
+        Li, Liu, Liang, Chen, Zhao, "NorMuon: Making Muon more efficient and scalable",
+        arXiv 2510.05491, 2025.
+        Si, Zhang, Shen, "AdaMuon: Adaptive Muon Optimizer", arXiv 2507.11005, 2025.
+    """
+    out = []
+    for pieces, buf in zip(ortho, buffers):
+        normalized = []
+        for o, v in zip(pieces, matrix_slots(buf, split_sizes, batched)):
+            # Statistics in float32 at least: squares of bf16 entries lose digits.
+            work = torch.promote_types(o.dtype, torch.float32)
+            x = o.reshape(*v.shape[:-1], o.shape[-1]).to(work)  # rows laid out like the buffer's slot
+            sq = x.square()
+            v.lerp_((sq.mean(dim=-1, keepdim=True) if method == "normuon" else sq).to(v.dtype), 1.0 - beta2)
+            x_hat = x / v.to(work).sqrt().add_(eps)
+            dims = (-2, -1) if batched else tuple(range(x.ndim))
+            ratio = torch.linalg.vector_norm(x, dim=dims, keepdim=True) / torch.linalg.vector_norm(
+                x_hat, dim=dims, keepdim=True
+            ).clamp_min(torch.finfo(work).tiny)  # a zero update stays zero
+            normalized.append(x_hat.mul_(ratio).to(o.dtype).reshape(o.shape))
+        out.append(normalized)
+    return out
 
 
 def muon_apply_(
@@ -101,23 +217,41 @@ def muon_apply_(
     extra_scale_factor: float,
     split_sizes: Sequence[int] | None,
     batched: bool,
+    weight_decay_form: str = "decoupled",
 ) -> None:
-    """``W <- W (1 - lr wd) - lr * adjust(shape) * O`` for every matrix piece."""
-    if weight_decay != 0.0:
-        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    """``W <- W - lr wd M * W - lr * adjust(shape) * O`` for every matrix piece.
+
+    ``M`` is 1 everywhere for decoupled weight decay (``W (1 - lr wd)``) and, for cautious
+    weight decay, 1 where ``O * W >= 0`` (the update, subtracted, moves ``W`` towards zero
+    there, as the decay does) and 0 elsewhere (Chen et al., "Cautious Weight Decay",
+    arXiv 2510.12402). The mask reads ``W`` before this step's update.
+    """
+    decay = lr * weight_decay
+    cautious = decay != 0.0 and weight_decay_form == "cautious"
+    if decay != 0.0 and not cautious:
+        torch._foreach_mul_(params, 1.0 - decay)
     targets, deltas, scales = [], [], []
     for p, pieces in zip(params, ortho):
-        views = matrix_views(p, split_sizes, batched) if p.is_contiguous() else None
-        if views is None:  # a non-contiguous param: apply through a contiguous delta
+        if not p.is_contiguous():  # apply through contiguous copies
             delta = torch.empty_like(p, memory_format=torch.contiguous_format)
-            for v, o in zip(matrix_views(delta, split_sizes, batched), pieces):
-                v.copy_(o).mul_(-lr * adjust_lr_ratio(adjust_lr, *o.shape[-2:], extra_scale_factor))
+            factor = torch.ones_like(delta) if cautious else None
+            weights = matrix_slots(p.contiguous(), split_sizes, batched) if cautious else [None] * len(pieces)
+            factors = matrix_slots(factor, split_sizes, batched) if cautious else [None] * len(pieces)
+            for d, w, f, o in zip(matrix_slots(delta, split_sizes, batched), weights, factors, pieces):
+                d.copy_(o.reshape(d.shape)).mul_(-lr * adjust_lr_ratio(adjust_lr, *o.shape[-2:], extra_scale_factor))
+                if cautious:
+                    f.masked_fill_(d * w <= 0, 1.0 - decay)  # d = -(scaled O): agreement is O * W >= 0
+            if cautious:
+                p.mul_(factor)
             p.add_(delta)
             continue
-        for v, o in zip(views, pieces):
-            targets.append(v)
-            deltas.append(o)
+        for w, o in zip(matrix_slots(p, split_sizes, batched), pieces):
             scales.append(-lr * adjust_lr_ratio(adjust_lr, *o.shape[-2:], extra_scale_factor))
+            o = o.reshape(w.shape)  # the piece laid out like its slot (a no-op but for grouped splits)
+            if cautious:
+                w.mul_(torch.ones_like(w).masked_fill_(o * w >= 0, 1.0 - decay))
+            targets.append(w)
+            deltas.append(o)
     if targets:
         torch._foreach_mul_(deltas, scales)
         torch._foreach_add_(targets, deltas)

@@ -15,13 +15,18 @@ from torch.optim import Optimizer
 from lightning_muon.functional import (
     ADJUST_LR_ALIASES,
     ADJUST_LR_MODES,
+    MOMENTUM_FORMS,
+    SECOND_MOMENTS,
+    WEIGHT_DECAY_FORMS,
     adamw_,
     lion_,
     muon_apply_,
     muon_momentum_,
     muon_orthogonalize,
+    muon_second_moment_,
+    second_moment_buffer,
 )
-from lightning_muon.newton_schulz import check_ns_dtype, resolve_coefficients
+from lightning_muon.newton_schulz import check_ns_dtype, check_ns_method, resolve_coefficients
 
 __all__ = ["ALGORITHMS", "Muon"]
 
@@ -39,7 +44,7 @@ class Muon(Optimizer):
     r"""Muon for hidden weight matrices, AdamW or Lion for everything else, in one optimizer.
 
     Each param group has an ``"algorithm"``: ``"muon"``, ``"adamw"`` or ``"lion"``. For a
-    Muon matrix ``W`` with gradient ``G`` (torch.optim.Muon's form)::
+    Muon matrix ``W`` with gradient ``G`` (torch.optim.Muon's form, the defaults)::
 
         B <- mu B + (1 - mu) G                       # EMA momentum
         U <- (1 - mu) G + mu B   if nesterov else B
@@ -47,10 +52,23 @@ class Muon(Optimizer):
         W <- W (1 - lr wd)                           # decoupled decay, base lr
         W <- W - lr * adjust(rows, cols) * extra_scale_factor * O
 
+    Variants, each a keyword (all per group too):
+
+    - ``momentum_form="sum"``: ``B <- mu B + G``, ``U <- G + mu B`` with Nesterov (Moonlight, dion).
+    - ``sign_momentum=True``: orthogonalize ``sign(U)`` (AdaMuon's sign-stabilized update).
+    - ``second_moment="normuon"`` / ``"adamuon"``: after orthogonalization,
+      ``v <- b2 v + (1 - b2) mean_cols(O^2)`` per row (NorMuon) or ``O^2`` per element
+      (AdaMuon), ``O <- O / (sqrt(v) + eps)``, rescaled to the Frobenius norm ``O`` had, so
+      the update keeps plain Muon's RMS and its lr (see ``muon_second_moment_``).
+    - ``weight_decay_form="cautious"``: decay only entries where ``O * W >= 0``.
+    - ``ns_method``: ``"standard"``, ``"gram"`` (Gram Newton-Schulz) or ``"auto"`` (Gram
+      only where it was measured faster at equal accuracy: ``resolve_ns_method``).
+
     Tensors with more than two dims are flattened to ``(dim 0, rest)``; a group with
-    ``split_sizes`` orthogonalizes blocks along dim 0 separately (fused QKV), and a
-    group with ``batched=True`` treats a ``(..., rows, cols)`` tensor as a batch of
-    matrices (experts). AdamW groups follow ``torch.optim.AdamW``; Lion groups follow
+    ``split_sizes`` orthogonalizes blocks along dim 0 separately (fused QKV; sizes summing
+    to a divisor of dim 0 repeat per group of rows, Megatron's GQA layout), and a group
+    with ``batched=True`` treats a ``(..., rows, cols)`` tensor as a batch of matrices
+    (experts). AdamW groups follow ``torch.optim.AdamW``; Lion groups follow
     Chen et al. with decoupled weight decay. Every update scales with the group's lr,
     so a step at lr = 0 changes nothing.
 
@@ -71,6 +89,13 @@ class Muon(Optimizer):
         adjust_lr: "original", "match_rms_adamw", "spectral", "spectral_norm" or "none"
             (Megatron's "shape_scaling" and "unit_rms_norm" are aliases).
         extra_scale_factor: multiplies the adjusted Muon lr.
+        momentum_form: ``"ema"`` (default) or ``"sum"``.
+        second_moment: None, ``"normuon"`` (per row) or ``"adamuon"`` (per element).
+        second_moment_beta2: decay of the second moment, in [0, 1).
+        second_moment_eps: added to ``sqrt(v)``, > 0.
+        sign_momentum: orthogonalize ``sign(U)`` instead of ``U``.
+        weight_decay_form: ``"decoupled"`` (default) or ``"cautious"``.
+        ns_method: ``"auto"`` (default), ``"standard"`` or ``"gram"``.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW group defaults.
         lion_lr, lion_betas, lion_weight_decay: Lion group defaults (lr defaults to
             ``adamw_lr``; Lion usually wants 3-10x less).
@@ -82,6 +107,10 @@ class Muon(Optimizer):
         Liu et al., "Muon is Scalable for LLM Training", arXiv 2502.16982, 2025.
         Loshchilov & Hutter, "Decoupled Weight Decay Regularization", arXiv 1711.05101.
         Chen et al., "Symbolic Discovery of Optimization Algorithms", arXiv 2302.06675.
+        Li et al., "NorMuon: Making Muon more efficient and scalable", arXiv 2510.05491, 2025.
+        Si, Zhang, Shen, "AdaMuon: Adaptive Muon Optimizer", arXiv 2507.11005, 2025.
+        Chen et al., "Cautious Weight Decay", arXiv 2510.12402, 2025.
+        Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz", 2026 (dao-ailab.github.io/blog/2026/gram-newton-schulz).
     """
 
     def __init__(
@@ -96,6 +125,13 @@ class Muon(Optimizer):
         ns_dtype: torch.dtype | str | None = None,
         adjust_lr: str = "original",
         extra_scale_factor: float = 1.0,
+        momentum_form: str = "ema",
+        second_moment: str | None = None,
+        second_moment_beta2: float = 0.95,
+        second_moment_eps: float = 1e-8,
+        sign_momentum: bool = False,
+        weight_decay_form: str = "decoupled",
+        ns_method: str = "auto",
         adamw_lr: float = 3e-4,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
@@ -119,6 +155,13 @@ class Muon(Optimizer):
                 ns_dtype=ns_dtype,
                 adjust_lr=adjust_lr,
                 extra_scale_factor=extra_scale_factor,
+                momentum_form=momentum_form,
+                second_moment=second_moment,
+                second_moment_beta2=second_moment_beta2,
+                second_moment_eps=second_moment_eps,
+                sign_momentum=sign_momentum,
+                weight_decay_form=weight_decay_form,
+                ns_method=ns_method,
                 split_sizes=None,
                 batched=False,
             ),
@@ -223,6 +266,11 @@ class Muon(Optimizer):
 
     def _grads_finite(self, work: list) -> bool:
         grads = [g for _, _, gs in work for g in gs]
+        # DTensor gradients (FSDP2): each rank checks the shard it holds (an empty one has no
+        # max); the sharding's remote_nonfinite makes the ranks agree.
+        shard = getattr(self._sharding, "local_shard", None)
+        if shard is not None:
+            grads = [s for s in map(shard, grads) if s.numel()]
         remote = self._sharding is not None and self._sharding.remote_nonfinite
         if not grads and not remote:
             return True
@@ -242,7 +290,7 @@ class Muon(Optimizer):
             )
         for i, (group, params, gs) in enumerate(work):
             for p, g in zip(params, gs):
-                if not bool(g.isfinite().all()):
+                if not bool((g if shard is None else shard(g)).isfinite().all()):
                     j = next(k for k, q in enumerate(group["params"]) if q is p)
                     name = group.get("param_names", [None] * (j + 1))[j]
                     label = f" {name!r}" if name else ""
@@ -255,15 +303,22 @@ class Muon(Optimizer):
     def _muon_step(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
         # Four stages, each one place to extend: momentum, orthogonalize (a sharding may
         # do it across ranks), observe (UpdateSpectrumMonitor), apply.
+        for key, value in self._algorithm_defaults["muon"].items():
+            group.setdefault(key, value)  # groups loaded from a checkpoint older than a knob
         bufs = []
         for p in params:
             state = self.state[p]
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             bufs.append(state["momentum_buffer"])
-        updates = muon_momentum_(grads, bufs, group["momentum"], group["nesterov"])
+        updates = muon_momentum_(grads, bufs, group["momentum"], group["nesterov"], group["momentum_form"])
+        if group["sign_momentum"]:
+            updates = list(torch._foreach_sign(updates))
         ortho = self._orthogonalize(group, params, updates)
-        if self._update_observer is not None:
+        if group["second_moment"] is not None:
+            ortho = self._second_moment(group, params, ortho)
+        # A sharding that holds the full matrices only on owner ranks calls the observer itself.
+        if self._update_observer is not None and not getattr(self._sharding, "observes_updates", False):
             self._update_observer(group, params, updates, ortho)
         muon_apply_(
             params,
@@ -274,6 +329,25 @@ class Muon(Optimizer):
             extra_scale_factor=group["extra_scale_factor"],
             split_sizes=group["split_sizes"],
             batched=group["batched"],
+            weight_decay_form=group["weight_decay_form"],
+        )
+
+    def _second_moment(self, group: dict, params: list[Tensor], ortho: list[list[Tensor]]) -> list[list[Tensor]]:
+        """NorMuon / AdaMuon normalization; the buffer lives in ``state[p]["second_moment"]``."""
+        method, buffers = group["second_moment"], []
+        for p in params:
+            state = self.state[p]
+            if "second_moment" not in state:
+                state["second_moment"] = second_moment_buffer(p, method, group["batched"])
+            buffers.append(state["second_moment"])
+        return muon_second_moment_(
+            ortho,
+            buffers,
+            method=method,
+            beta2=group["second_moment_beta2"],
+            eps=group["second_moment_eps"],
+            split_sizes=group["split_sizes"],
+            batched=group["batched"],
         )
 
     def _orthogonalize(self, group: dict, params: list[Tensor], updates: list[Tensor]) -> list[list[Tensor]]:
@@ -282,6 +356,7 @@ class Muon(Optimizer):
             ns_steps=group["ns_steps"],
             ns_coefficients=group["ns_coefficients"],
             ns_dtype=group["ns_dtype"],
+            ns_method=group["ns_method"],
             split_sizes=group["split_sizes"],
             batched=group["batched"],
         )
@@ -379,6 +454,11 @@ def _check_number(
         raise ValueError(f"{where}: {name} must be a finite number in {lo}{low}, {high}{hi}, got {value!r}")
 
 
+def _check_choice(value: Any, name: str, where: str, choices: tuple) -> None:
+    if not any(value is c or (isinstance(value, str) and value == c) for c in choices):
+        raise ValueError(f"{where}: {name} must be one of {choices}, got {value!r}")
+
+
 def _validate_hparams(group: dict[str, Any], algorithm: str, where: str, prefix: str = "") -> None:
     _check_number(group["lr"], f"{prefix}lr", where, 0.0)
     _check_number(group["weight_decay"], f"{prefix}weight_decay", where, 0.0)
@@ -394,6 +474,17 @@ def _validate_hparams(group: dict[str, Any], algorithm: str, where: str, prefix:
                 f"{where}: adjust_lr must be one of {sorted(ADJUST_LR_MODES) + sorted(ADJUST_LR_ALIASES)}, got {mode!r}"
             )
         _check_number(group["extra_scale_factor"], "extra_scale_factor", where, 0.0, low_open=True)
+        _check_choice(group["momentum_form"], "momentum_form", where, MOMENTUM_FORMS)
+        _check_choice(group["second_moment"], "second_moment", where, (None, *SECOND_MOMENTS))
+        _check_number(group["second_moment_beta2"], "second_moment_beta2", where, 0.0, 1.0, high_open=True)
+        _check_number(group["second_moment_eps"], "second_moment_eps", where, 0.0, low_open=True)
+        _check_choice(group["weight_decay_form"], "weight_decay_form", where, WEIGHT_DECAY_FORMS)
+        try:
+            check_ns_method(group["ns_method"])
+        except ValueError as err:
+            raise ValueError(f"{where}: {err}") from None
+        if not isinstance(group["sign_momentum"], bool):
+            raise ValueError(f"{where}: sign_momentum must be a bool, got {group['sign_momentum']!r}")
         if not isinstance(group["batched"], bool):
             raise ValueError(f"{where}: batched must be a bool, got {group['batched']!r}")
         return
@@ -426,7 +517,8 @@ def _validate_muon_params(group: dict[str, Any], params: list[Tensor], where: st
             )
         if batched and p.ndim < 3:
             raise ValueError(f"{label}: batched=True needs a tensor with 3+ dims, got shape {tuple(p.shape)}")
-        if split_sizes is not None and sum(split_sizes) != p.shape[0]:
+        if split_sizes is not None and p.shape[0] % sum(split_sizes) != 0:
             raise ValueError(
-                f"{label}: split_sizes {tuple(split_sizes)} sum to {sum(split_sizes)}, but dim 0 has size {p.shape[0]}"
+                f"{label}: split_sizes {tuple(split_sizes)} sum to {sum(split_sizes)}, "
+                f"but dim 0 has size {p.shape[0]}, not a multiple of it"
             )

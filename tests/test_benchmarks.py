@@ -9,7 +9,7 @@ import sys
 from pathlib import Path
 
 ROOT = Path(__file__).resolve().parents[1]
-SECTIONS = ("accuracy", "step", "roofline", "batching")
+SECTIONS = ("accuracy", "step", "roofline", "batching", "gram")
 
 
 def _leaves(value):

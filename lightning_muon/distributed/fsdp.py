@@ -1,0 +1,314 @@
+"""Exact Muon under FSDP2: whole matrices orthogonalized by owner ranks, moved by all-to-all.
+
+Under ``fully_shard`` every parameter, gradient and momentum buffer is a DTensor sharded
+on dim 0 (``Shard(0)``, ``torch.chunk`` row blocks: 5 rows on 3 ranks are 2, 2, 1; 2 rows
+on 3 ranks leave one rank an empty shard). Newton-Schulz needs whole matrices, so for one
+Muon param group ``MuonFSDPSharding.orthogonalize`` does::
+
+    U_i = momentum update of matrix i, rank r holding rows R_r(i)       # DTensor, Shard(0)
+    owner(i) from plan_ownership(global shapes)                          # same plan on all ranks
+    all_to_all_v:   rank r sends U_i[R_r(i)] to owner(i), for every i    # one call per group
+    owner:          O_i = orthogonalize(cat_r U_i[R_r(i)])               # whole matrices, batched
+    all_to_all_v:   owner sends O_i[R_r(i)] back to rank r               # one call per group
+    returns         DTensor(O_i[R_r(i)], Shard(0), global shape)         # per update, its pieces
+
+so the rest of ``Muon``'s step (second moments, weight decay, ``adjust_lr`` of the global
+shape, the update) runs on DTensors exactly as on one process. Per rank, the bytes sent are
+``(W - 1) / W * P`` each way for ``P`` Muon elements (balanced owners), in bf16 where the
+Newton-Schulz dtype is bf16, on top of FSDP2's own all-gathers and reduce-scatters; the
+Newton-Schulz work per rank is ``1 / W`` of the total.
+
+Sending bf16 changes nothing when Newton-Schulz runs in bf16: ``orthogonalize`` casts its
+input to bf16 before anything else and its result holds bf16 values, so the owner computes
+on exactly the numbers a single process would, and the result travels back without rounding.
+Otherwise the update's own dtype is sent.
+
+``mode="blockwise"`` orthogonalizes each rank's own shard instead: no extra traffic, but
+not Muon (the polar factor of a row block is not a row block of the polar factor); it is
+there to compare against.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from collections.abc import Sequence
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Shard
+
+from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
+from lightning_muon.distributed.planning import plan_ownership
+from lightning_muon.functional import muon_orthogonalize
+from lightning_muon.newton_schulz import resolve_ns_dtype
+
+__all__ = ["FSDP_MODES", "MuonFSDPSharding", "shard_rows"]
+
+FSDP_MODES = ("owner", "blockwise")
+
+
+def shard_rows(rows: int, world_size: int) -> list[int]:
+    """Rows each rank holds of a ``Shard(0)`` tensor with ``rows`` rows (``torch.chunk`` blocks)."""
+    size = math.ceil(rows / world_size) if rows else 0
+    return [max(0, min(size, rows - r * size)) for r in range(world_size)]
+
+
+def _matrix_shape(shape: Sequence[int], batched: bool) -> tuple[int, ...]:
+    """The shape of the one matrix piece (or batch of matrices) Muon makes of a tensor."""
+    if batched:
+        return (shape[0], *shape[-2:])
+    return (shape[0], math.prod(shape[1:]))
+
+
+class MuonFSDPSharding:
+    """Owner-based, exact Newton-Schulz for one ``Muon`` optimizer over FSDP2-sharded parameters.
+
+    Attaches itself as ``optimizer._sharding``. Every Muon parameter must be a DTensor
+    sharded on dim 0 over one 1-D device mesh (what ``fully_shard`` makes). Owners are
+    planned once, over all Muon parameters by their global shapes, balancing Newton-Schulz
+    FLOPs (``plan_ownership``); every rank computes the same plan.
+
+    Args:
+        optimizer: a ``Muon`` whose Muon parameters are ``Shard(0)`` DTensors.
+        mode: ``"owner"`` (exact) or ``"blockwise"`` (each rank orthogonalizes its own rows;
+            an approximation with no extra traffic).
+        stats: where bytes and calls are counted; a new ``CommStats`` by default.
+
+    Notes:
+        ``split_sizes`` (fused QKV split along dim 0) and batched tensors with more than
+        three dims are not supported: their pieces cut across the row shards.
+        ``optimizer._update_observer`` (``UpdateSpectrumMonitor``) is called here, on owner
+        ranks with the full matrices they orthogonalized, before any second-moment
+        normalization; in blockwise mode no rank holds a full matrix and it is not called.
+    """
+
+    observes_updates = True
+    """``Muon`` leaves the update observer to this class: only owners see whole matrices."""
+
+    def __init__(self, optimizer, mode: str = "owner", stats: CommStats | None = None) -> None:
+        if mode not in FSDP_MODES:
+            raise ValueError(f"mode must be one of {FSDP_MODES}, got {mode!r}")
+        self.optimizer = optimizer
+        self.mode = mode
+        self.stats = stats if stats is not None else CommStats()
+        groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
+        self.params: list[Tensor] = [p for g in groups for p in g["params"]]
+        if not self.params:
+            raise ValueError("MuonFSDPSharding: the optimizer has no Muon parameters")
+        for index, g in enumerate(optimizer.param_groups):
+            if g["algorithm"] != "muon":
+                continue
+            where = f"param group {index}" + (f" ({g['name']!r})" if "name" in g else "")
+            if g["split_sizes"] is not None:
+                raise ValueError(
+                    f"MuonFSDPSharding: {where} has split_sizes {g['split_sizes']}, which is not supported under "
+                    "FSDP2 (its blocks cut across the row shards); orthogonalize the fused matrix whole"
+                )
+            for p in g["params"]:
+                self._check_param(p, where, g["batched"])
+        self.mesh = self.params[0].device_mesh
+        self.group = self.mesh.get_group()
+        self.rank = self.mesh.get_local_rank()
+        self.world_size = self.mesh.size()
+        self.plan = plan_ownership(
+            [tuple(p.shape) for p in self.params],
+            self.world_size,
+            batched=[g["batched"] for g in groups for _ in g["params"]],
+        )
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._warned_observer = False
+        optimizer._sharding = self
+
+    def _check_param(self, p: Tensor, where: str, batched: bool) -> None:
+        shape = tuple(p.shape)
+        if not isinstance(p, DTensor):
+            raise ValueError(
+                f"MuonFSDPSharding: {where} holds a plain tensor of shape {shape}; every Muon parameter must be "
+                "sharded by fully_shard (a DTensor), so apply fully_shard to the module that holds it"
+            )
+        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+            raise ValueError(
+                f"MuonFSDPSharding: {where} holds a DTensor of shape {shape} placed {tuple(p.placements)} on a "
+                f"{p.device_mesh.ndim}-D mesh; only Shard(0) on a 1-D mesh (fully_shard's default) is supported"
+            )
+        if self.params and p.device_mesh != self.params[0].device_mesh:
+            raise ValueError(f"MuonFSDPSharding: {where}: all Muon parameters must live on one device mesh")
+        if batched and p.ndim > 3:
+            raise ValueError(
+                f"MuonFSDPSharding: {where}: batched tensors with more than 3 dims (shape {shape}) are not supported"
+            )
+
+    # ------------------------------------------------------------------ hooks read by Muon
+
+    def owns(self, p: Tensor) -> bool:
+        """Every rank steps its shard of every parameter."""
+        return True
+
+    def local_shard(self, t: Tensor) -> Tensor:
+        """This rank's part of ``t``: the local tensor of a DTensor, ``t`` itself otherwise."""
+        return t.to_local() if isinstance(t, DTensor) else t
+
+    @property
+    def remote_nonfinite(self) -> bool:
+        """True when another rank holds a non-finite gradient and this one does not.
+
+        ``Muon`` reads this once per step on every rank, before checking its own shards, so
+        reading it runs one small all-reduce: of this rank's finiteness and of which Muon
+        matrices have gradients. Then every rank skips or raises alike, and no rank waits in
+        an all-to-all that another left. Ranks that disagree on the matrices with gradients
+        (FSDP2 gives a gradient on all ranks or on none) raise here instead of hanging.
+        """
+        grads = [self.local_shard(p.grad) for g in self.optimizer.param_groups for p in g["params"]]
+        grads = [g for g in grads if g is not None and g.numel()]
+        local_ok = not grads or bool(torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all())
+        if self.world_size == 1:
+            return False
+        with_grad = tuple(i for i, p in enumerate(self.params) if p.grad is not None)
+        signature = hash(with_grad) % (1 << 62)  # ints hash alike in every process; -signature fits int64
+        flags = torch.tensor([0 if local_ok else 1, signature, -signature], dtype=torch.int64)
+        all_reduce_(flags, dist.ReduceOp.MAX, self.group, self.stats, name="step_check")
+        if flags[1].item() != -flags[2].item():
+            raise RuntimeError(
+                "MuonFSDPSharding: ranks disagree on which Muon matrices have gradients "
+                f"(this rank: {len(with_grad)} of {len(self.params)}); every rank must run the same modules"
+            )
+        return local_ok and bool(flags[0].item())
+
+    def gather_parameters(self) -> None:
+        """Nothing to gather: every rank updated its own shards."""
+
+    # ------------------------------------------------------------------ orthogonalization
+
+    @torch.no_grad()
+    def orthogonalize(self, params: list[Tensor], updates: list[Tensor], **ns_kwargs) -> list[list[Tensor]]:
+        """Per update, its orthogonalized pieces as ``Shard(0)`` DTensors with the global shape.
+
+        ``ns_kwargs`` are ``functional.muon_orthogonalize``'s keywords (``ns_steps``,
+        ``ns_coefficients``, ``ns_dtype``, ``split_sizes``, ``batched``, ...). Every rank
+        must call it with the same parameters (``remote_nonfinite`` checked that).
+        """
+        batched = ns_kwargs["batched"]
+        if self.mode == "blockwise":
+            local = [self.local_shard(u) for u in updates]
+            mats = [u.reshape(_matrix_shape(u.shape, batched)) for u in local]
+            filled = [i for i, m in enumerate(mats) if m.numel()]  # an empty shard stays empty
+            ortho = [[m] for m in mats]
+            for i, o in zip(filled, muon_orthogonalize([mats[i] for i in filled], **ns_kwargs)):
+                ortho[i] = o
+            if self.optimizer._update_observer is not None and not self._warned_observer:
+                self._warned_observer = True
+                warnings.warn(
+                    "MuonFSDPSharding: blockwise mode never holds a whole matrix; the update observer is not called",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            return [[self._as_dtensor(o[0], u, batched)] for o, u in zip(ortho, updates)]
+        return self._orthogonalize_by_owner(params, updates, ns_kwargs)
+
+    def _wire_dtype(self, updates: list[Tensor], ns_dtype) -> torch.dtype:
+        base = updates[0].dtype
+        for u in updates[1:]:
+            base = torch.promote_types(base, u.dtype)
+        work = resolve_ns_dtype(ns_dtype, updates[0].device, base)
+        # Newton-Schulz casts its input to ``work`` first and returns values of that dtype:
+        # a narrower wire dtype then loses nothing (module docstring).
+        return work if work.itemsize < base.itemsize else base
+
+    def _orthogonalize_by_owner(
+        self, params: list[Tensor], updates: list[Tensor], ns_kwargs: dict
+    ) -> list[list[Tensor]]:
+        W, rank = self.world_size, self.rank
+        batched = ns_kwargs["batched"]
+        owners = [self.plan.owners[self._index[id(p)]] for p in params]
+        shapes = [tuple(u.shape) for u in updates]
+        row_numel = [math.prod(s[1:]) for s in shapes]
+        rows = [shard_rows(s[0], W) for s in shapes]  # rows[i][r]: rows of matrix i on rank r
+        local = [self.local_shard(u) for u in updates]  # (rows[i][rank], ...) each
+        for i, u in enumerate(local):
+            if u.shape[0] != rows[i][rank]:
+                raise RuntimeError(
+                    f"MuonFSDPSharding: a shard of shape {tuple(u.shape)} of a {shapes[i]} tensor on rank {rank}; "
+                    f"expected {rows[i][rank]} rows (torch.chunk blocks of dim 0)"
+                )
+        wire = self._wire_dtype(updates, ns_kwargs.get("ns_dtype"))
+        by_owner = [[i for i in range(len(params)) if owners[i] == r] for r in range(W)]
+        mine = by_owner[rank]
+
+        # 1. Every rank sends its rows of each matrix to the matrix's owner: one flat blob,
+        #    grouped by owner rank, each matrix's rows (rows[i][rank], cols_i) flattened.
+        send = [local[i].reshape(-1) for r in range(W) for i in by_owner[r]]
+        send_counts = [sum(local[i].numel() for i in by_owner[r]) for r in range(W)]
+        recv_counts = [sum(rows[i][s] * row_numel[i] for i in mine) for s in range(W)]
+        blob = torch.cat(send).to(wire) if send else local[0].new_empty(0, dtype=wire)
+        recv = all_to_all_v(blob, send_counts, recv_counts, self.group, self.stats, name="to_owner")
+
+        # 2. The owner stacks the row blocks of each of its matrices and orthogonalizes them all.
+        blocks: dict[int, list[Tensor]] = {i: [] for i in mine}
+        for chunk, s in zip(recv.split(recv_counts), range(W)):
+            for i, part in zip(mine, _split(chunk, [rows[i][s] * row_numel[i] for i in mine])):
+                blocks[i].append(part)
+        full = [torch.cat(blocks[i]).view(shapes[i]) for i in mine]  # (rows_i, ...) whole matrices
+        ortho = muon_orthogonalize([f.view(_matrix_shape(f.shape, batched)) for f in full], **ns_kwargs)
+        self._observe(params, updates, mine, full, ortho)
+
+        # 3. The owner sends each rank its rows of every result.
+        results = [o[0].reshape(shapes[i][0], -1) for i, o in zip(mine, ortho)]  # (rows_i, row_numel_i)
+        back, back_counts = [], []
+        for r in range(W):
+            for i, res in zip(mine, results):
+                start = sum(rows[i][:r])
+                back.append(res[start : start + rows[i][r]].reshape(-1))
+            back_counts.append(sum(rows[i][r] * row_numel[i] for i in mine))
+        from_counts = [sum(rows[i][rank] * row_numel[i] for i in by_owner[s]) for s in range(W)]
+        blob = torch.cat(back).to(wire) if back else local[0].new_empty(0, dtype=wire)
+        got = all_to_all_v(blob, back_counts, from_counts, self.group, self.stats, name="from_owner")
+
+        out: list[list[Tensor] | None] = [None] * len(params)
+        for chunk, s in zip(got.split(from_counts), range(W)):
+            for i, part in zip(by_owner[s], _split(chunk, [rows[i][rank] * row_numel[i] for i in by_owner[s]])):
+                piece = part.view(local[i].shape).to(updates[i].dtype)
+                out[i] = [self._as_dtensor(piece.view(_matrix_shape(piece.shape, batched)), updates[i], batched)]
+        return out  # type: ignore[return-value]
+
+    def _as_dtensor(self, local: Tensor, like: Tensor, batched: bool) -> Tensor:
+        """A ``Shard(0)`` DTensor with ``local`` as this rank's rows of a matrix shaped like ``like``'s piece."""
+        shape = torch.Size(_matrix_shape(like.shape, batched))
+        return DTensor.from_local(
+            local.contiguous(), like.device_mesh, (Shard(0),), run_check=False, shape=shape, stride=_strides(shape)
+        )
+
+    def _observe(
+        self,
+        params: list[Tensor],
+        updates: list[Tensor],
+        mine: list[int],
+        full: list[Tensor],
+        ortho: list[list[Tensor]],
+    ) -> None:
+        observer = self.optimizer._update_observer
+        if observer is None or not mine:
+            return
+        # Looked up now: loading a state dict replaces the group dicts (not the parameters).
+        first = params[mine[0]]
+        group = next(g for g in self.optimizer.param_groups if any(q is first for q in g["params"]))
+        dtypes = [updates[i].dtype for i in mine]
+        observer(
+            group,
+            [params[i] for i in mine],
+            [f.to(d) for f, d in zip(full, dtypes)],
+            [[o.to(d) for o in pieces] for pieces, d in zip(ortho, dtypes)],
+        )
+
+
+def _split(flat: Tensor, sizes: list[int]) -> Sequence[Tensor]:
+    return flat.split(sizes) if sizes else ()
+
+
+def _strides(shape: torch.Size) -> tuple[int, ...]:
+    strides, step = [], 1
+    for size in reversed(shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))

@@ -1,0 +1,284 @@
+"""MuonFSDPStrategy and MuonFSDPSharding: exact Muon under FSDP2 on CPU with gloo.
+
+Multi-process runs (about 10-30 s each on 2 busy cores): the sharding at 2 and 3 ranks,
+a 2-rank fit that saves distributed checkpoints, its resumption at 1 and at 3 ranks, a
+bf16-mixed 2-rank fit of a module that shards itself, and configs/muon_fsdp.yaml.
+"""
+
+from __future__ import annotations
+
+import math
+import re
+import subprocess
+import sys
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from dist_utils import run_distributed
+from fsdp_modules import (
+    CONFIG,
+    SHAPES,
+    STEPS,
+    FSDPRegressor,
+    fit_worker,
+    reference_run,
+    sharding_worker,
+    trainer_kwargs,
+)
+from lightning.pytorch.plugins import MixedPrecision
+from lightning.pytorch.strategies import StrategyRegistry
+from torch import nn
+
+from lightning_muon import Muon, MuonFSDPStrategy
+from lightning_muon.distributed.fsdp import MuonFSDPSharding, shard_rows
+from lightning_muon.strategies.fsdp import default_fully_shard
+
+ROOT = Path(__file__).resolve().parents[1]
+
+# Exact mode against one process, fp32 throughout: the owner runs the same float32
+# operations on the same numbers, except where the order of a sum differs (a batched
+# Newton-Schulz matmul against a single one, a norm reduced across ranks, gradients
+# averaged across ranks): a few ulps (~1e-7) per step. Measured at most 5e-7 after 4-5
+# steps; a wrong matrix, shard offset or lr scale moves parameters by 1e-3 or more.
+FP32 = dict(rtol=1e-5, atol=2e-6)
+
+
+def test_registered_name_and_bad_arguments():
+    assert StrategyRegistry["muon_fsdp"]["strategy"] is MuonFSDPStrategy
+    with pytest.raises(ValueError, match="muon_mode must be one of"):
+        MuonFSDPStrategy(muon_mode="bogus")
+    plain = nn.Linear(4, 3)
+    with pytest.raises(ValueError, match="mode must be one of"):
+        MuonFSDPSharding(Muon(plain.parameters()), mode="exact")
+    with pytest.raises(ValueError, match="plain tensor of shape \\(3, 4\\)"):
+        MuonFSDPSharding(Muon(plain.parameters()))
+    split = Muon([{"params": [plain.weight], "algorithm": "muon", "split_sizes": [1, 2]}])
+    with pytest.raises(ValueError, match="split_sizes"):
+        MuonFSDPSharding(split)
+    # 16-mixed is rejected, as an instance (by Lightning) and by name (by us); bf16-mixed works.
+    with pytest.raises(ValueError, match="does not support"):
+        pl.Trainer(accelerator="cpu", devices=1, strategy=MuonFSDPStrategy(), precision="16-mixed")
+    strategy = MuonFSDPStrategy()
+    strategy.precision_plugin = MixedPrecision("16-mixed", "cpu")
+    with pytest.raises(ValueError, match="does not support precision='16-mixed'"):
+        strategy._configure_launcher()
+
+
+def test_default_sharding_needs_parameters_in_children():
+    class Holder(nn.Module):
+        def __init__(self) -> None:
+            super().__init__()
+            self.scale = nn.Parameter(torch.ones(3))
+            self.body = nn.Linear(3, 3)
+
+    with pytest.raises(ValueError, match=re.escape("holds parameters directly (['scale'])")):
+        default_fully_shard(Holder(), mesh=None)
+
+
+@pytest.mark.parametrize(
+    ("rows", "world", "expected"),
+    [(5, 3, [2, 2, 1]), (5, 2, [3, 2]), (2, 3, [1, 1, 0]), (4, 3, [2, 2, 0]), (0, 2, [0, 0])],
+)
+def test_shard_rows_follow_torch_chunk(rows, world, expected):
+    assert shard_rows(rows, world) == expected
+    chunks = [c.shape[0] for c in torch.arange(rows).chunk(world)] if rows else []
+    assert shard_rows(rows, world) == chunks + [0] * (world - len(chunks))
+
+
+@pytest.fixture(scope="module")
+def reference():
+    return reference_run()
+
+
+@pytest.fixture(scope="module")
+def reference_bf16():
+    return reference_run("bfloat16")
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [2, 3])
+def test_sharding_equals_one_process(reference, reference_bf16, world):
+    ranks = run_distributed(sharding_worker, world)
+    exact, blockwise = ranks[0]["owner"], ranks[0]["blockwise"]
+    # Uneven and empty shards really occur (5 rows: 3, 2 or 2, 2, 1; 2 rows on 3 ranks: 1, 1, 0).
+    assert [r["owner"]["local_rows"]["a"] for r in ranks] == shard_rows(5, world)
+    assert [r["owner"]["local_rows"]["b"] for r in ranks] == shard_rows(2, world)
+    assert exact["momentum_type"] == "DTensor"  # state sharded like its parameter
+    for name, expected in reference["params"].items():
+        torch.testing.assert_close(exact["params"][name], expected, **FP32, msg=lambda m, n=name: f"{n}: {m}")
+    # bf16 on the wire loses nothing when Newton-Schulz runs in bf16: it casts its input to
+    # bf16 first and returns bf16 values. The owner computes on the numbers one process
+    # computes on, so the results agree as closely as in fp32 (measured: bit for bit, but
+    # for the second moment's norm reduced across ranks, 1e-7).
+    for name, expected in reference_bf16["params"].items():
+        torch.testing.assert_close(ranks[0]["owner_bf16"]["params"][name], expected, **FP32)
+    # Blockwise orthogonalizes row blocks: not Muon wherever a matrix spans several ranks ...
+    spread = [n for n, (shape, kind) in SHAPES.items() if kind in ("plain", "lone") and n != "unused"]
+    for name in spread:
+        assert (blockwise["params"][name] - reference["params"][name]).abs().max() > 1e-3, name
+    # ... but exact for a batch of experts split between ranks by whole experts.
+    torch.testing.assert_close(blockwise["params"]["experts"], reference["params"]["experts"], **FP32)
+
+    # Every rank sends its rows of the others' matrices, then the owners send the rows back:
+    # counted in fp32 bytes (Newton-Schulz runs in fp32 here, so the wire does too).
+    owners = exact["owners"]
+    for rank, result in enumerate(ranks):
+        to_owner = from_owner = 0
+        for name, owner in owners.items():
+            if name == "unused":
+                continue
+            shape = SHAPES[name][0]
+            rows, row_numel = shard_rows(shape[0], world), math.prod(shape[1:])
+            if owner != rank:
+                to_owner += rows[rank] * row_numel
+            else:
+                from_owner += (shape[0] - rows[rank]) * row_numel
+        assert result["owner"]["bytes"]["to_owner"] == STEPS * 4 * to_owner
+        assert result["owner"]["bytes"].get("from_owner", 0) == STEPS * 4 * from_owner
+        # With bf16 Newton-Schulz the shards travel in bf16: half the bytes.
+        assert result["owner_bf16"]["bytes"]["to_owner"] == STEPS * 2 * to_owner
+        assert result["owner_bf16"]["bytes"].get("from_owner", 0) == STEPS * 2 * from_owner
+        assert set(result["blockwise"]["bytes"]) == {"step_check"}  # no Newton-Schulz traffic
+
+    # The observer sees each whole matrix once per step, on its owner, as one process does.
+    seen = [entry for r in ranks for entry in r["owner"]["observed"]]
+    assert sorted(e[0] for e in seen) == sorted(e[0] for e in reference["observed"])
+    for rank, result in enumerate(ranks):
+        assert {e[0] for e in result["owner"]["observed"]} == {
+            n for n, r in owners.items() if r == rank and n != "unused"
+        }
+    for name in {e[0] for e in seen}:
+        ours = [e for e in seen if e[0] == name]
+        theirs = [e for e in reference["observed"] if e[0] == name]
+        for (_, kind, update, ortho), (_, _, ref_update, ref_ortho) in zip(ours, theirs, strict=True):
+            assert kind == "Tensor"  # full plain tensors, not shards
+            torch.testing.assert_close(update, ref_update, **FP32)
+            if name != "normed":  # under FSDP the observer sees O before the second-moment rescale
+                torch.testing.assert_close(ortho, ref_ortho, **FP32)
+    assert ranks[0]["blockwise"]["observed"] == []
+    assert any("blockwise mode never holds a whole matrix" in w for w in ranks[0]["blockwise"]["warnings"])
+
+    # The loader's zero-gradient, lr = 0 step changes no parameter and leaves zero momenta.
+    for result in ranks:
+        for mode in ("owner", "blockwise"):
+            assert result[mode]["zero_step_changed"] == []
+            assert result[mode]["zero_step_momenta"] == sum(len(shape) >= 2 for shape, _ in SHAPES.values())
+            assert result[mode]["zero_step_momentum_max"] == 0.0
+
+    # A NaN on rank 0 only: every rank skips, or raises; ranks that disagree on which
+    # matrices have gradients raise too. None waits forever in a collective.
+    for rank, result in enumerate(ranks):
+        failures = result["failures"]
+        assert failures["skip"].startswith("stepped, unchanged=True"), failures["skip"]
+        assert "step was skipped" in failures["skip"]
+        expected = "parameter 3 of shape (6, 7)" if rank == 0 else "non-finite gradient on another rank"
+        assert failures["raise"].startswith("FloatingPointError") and expected in failures["raise"], failures
+        assert failures["disagree"].startswith("RuntimeError") and "disagree" in failures["disagree"], failures
+
+
+def _reference_fit(root, world: int, accumulate: int, clip: float, precision: str, steps: int) -> dict:
+    """One process, plain tensors: ``world * accumulate`` micro-batches per step, as the ranks cut them."""
+    model = FSDPRegressor(CONFIG, accumulate=world * accumulate)
+    trainer = pl.Trainer(
+        devices=1,
+        enable_checkpointing=False,
+        **trainer_kwargs(root, steps, world * accumulate, clip, precision),
+    )
+    trainer.fit(model)
+    return {k: v.detach().clone() for k, v in model.state_dict().items()}
+
+
+def _assert_params_close(actual: dict, expected: dict, **tolerance) -> None:
+    assert actual.keys() == expected.keys()
+    for name, value in expected.items():
+        torch.testing.assert_close(actual[name], value, **tolerance, msg=lambda m, n=name: f"{n}: {m}")
+
+
+STEPS_FIT, SAVED_AT = 5, 2
+
+
+@pytest.fixture(scope="module")
+def two_rank_fit(tmp_path_factory):
+    """A 2-rank fit with clipping and accumulation that saves a distributed checkpoint at step 2."""
+    root = tmp_path_factory.mktemp("fsdp_fit")
+    spec = dict(root=root, max_steps=STEPS_FIT, accumulate=2, clip=0.3, precision="32-true", save_every=SAVED_AT)
+    ranks = run_distributed(fit_worker, 2, spec)
+    reference = _reference_fit(root / "one", 2, 2, 0.3, "32-true", STEPS_FIT)
+    return root, ranks, reference
+
+
+@pytest.mark.slow
+def test_fit_two_ranks_equals_one_process(two_rank_fit):
+    root, ranks, reference = two_rank_fit
+    assert [r["global_step"] for r in ranks] == [STEPS_FIT, STEPS_FIT]
+    # No configure_model: the default sharding made each block a unit, then the root child.
+    assert ranks[0]["default_units"] == ["net.blocks.0", "net.blocks.1", "net"]
+    assert ranks[0]["fsdp_units"] == ["net", "net.blocks.0", "net.blocks.1"]
+    assert {"to_owner", "from_owner"} <= set(ranks[0]["bytes"])
+    _assert_params_close(ranks[0]["params"], reference, **FP32)
+    # A distributed checkpoint: a folder with one shard file per rank.
+    saved = root / "ckpt" / f"epoch={SAVED_AT - 1}-step={SAVED_AT}.ckpt"
+    assert sorted(p.name for p in saved.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [1, 3])
+def test_resume_at_another_world_size_continues_exactly(two_rank_fit, world):
+    root, ranks, reference = two_rank_fit
+    saved = root / "ckpt" / f"epoch={SAVED_AT - 1}-step={SAVED_AT}.ckpt"
+    spec = dict(
+        root=root / f"resumed{world}", max_steps=STEPS_FIT, accumulate=2, clip=0.3, precision="32-true", ckpt_path=saved
+    )
+    resumed = run_distributed(fit_worker, world, spec)
+    assert resumed[0]["global_step"] == STEPS_FIT
+    # Loading ran the zero-gradient, lr = 0 step (once, on every rank; counted at 3 ranks).
+    if world > 1:
+        assert resumed[0]["bytes"]["step_check"] == (STEPS_FIT - SAVED_AT + 1) * 3 * 8 * 2 * (world - 1) / world
+    # Same samples every step (FSDPRegressor), so only optimizer and scheduler state carry over.
+    _assert_params_close(resumed[0]["params"], ranks[0]["params"], **FP32)
+    _assert_params_close(resumed[0]["params"], reference, **FP32)
+
+
+@pytest.mark.slow
+def test_bf16_mixed_module_that_shards_itself(tmp_path):
+    spec = dict(root=tmp_path, max_steps=STEPS_FIT, accumulate=2, clip=0.3, precision="bf16-mixed", shard_itself=True)
+    ranks = run_distributed(fit_worker, 2, spec)
+    assert ranks[0]["default_units"] == []  # configure_model's sharding was kept
+    assert ranks[0]["fsdp_units"] == ["net", "net.blocks.0", "net.blocks.1"]
+    reference = _reference_fit(tmp_path / "one", 2, 2, 0.3, "bf16-mixed", STEPS_FIT)
+    # Each micro-batch runs on the same samples in both runs, and the loss scales (1/2, 1/4)
+    # are powers of two, so the first step's gradients agree to fp32 rounding. From then on
+    # weights differing in the last fp32 bits round to different bf16 values now and then
+    # (autocast: 8-bit mantissas, relative steps of 2^-8), which moves a gradient entry by
+    # ~0.4%. Measured at most 1.7e-4 after 5 steps; every update moves a weight by ~5e-3.
+    _assert_params_close(ranks[0]["params"], reference, rtol=0.0, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_cli_config_fits_on_two_processes(tmp_path):
+    # configs/muon_fsdp.yaml as the README runs it (2 CPU processes, Lightning's popen launcher),
+    # shrunk to 3 steps of a tiny CharGPT; validation at step 3 saves a distributed checkpoint.
+    tiny = [
+        "--trainer.max_steps=3",
+        "--trainer.val_check_interval=3",
+        "--trainer.limit_val_batches=1",
+        "--trainer.enable_progress_bar=false",
+        "--model.init_args.n_layer=1",
+        "--model.init_args.n_embd=32",
+        "--model.init_args.n_head=2",
+        "--model.init_args.block_size=16",
+        "--data.init_args.block_size=16",
+        "--data.init_args.max_chars=20000",
+        "--data.init_args.batch_size=4",
+        "--data.init_args.val_samples=8",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
+    args = [sys.executable, "-m", "lightning_muon", "fit", f"--config={ROOT / 'configs' / 'muon_fsdp.yaml'}", *tiny]
+    proc = subprocess.run(args, cwd=tmp_path, capture_output=True, text=True, timeout=300)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "Starting with 2 processes" in output and "FSDPCharGPT" in output
+    [saved] = tmp_path.rglob("epoch=0-step=3.ckpt")
+    assert sorted(p.name for p in saved.iterdir()) == [".metadata", "__0_0.distcp", "__1_0.distcp", "meta.pt"]
