@@ -34,7 +34,7 @@ from typing import Any
 from lightning_muon.experiment import RunSpec, machine_name, steps_to_reach, train
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_quality.json"
-MUON_LRS = (0.01, 0.02, 0.04)
+MUON_LRS = (0.0025, 0.005, 0.01)
 ADAMW_LRS = (1e-3, 3e-3, 1e-2)
 SEEDS = (0, 1, 2)
 STEP_RATIO_MAX = 0.70

@@ -30,6 +30,7 @@ from lightning_muon.demo import CharGPTModule
 from lightning_muon.routing import Rule
 
 __all__ = [
+    "DEFAULT_LR",
     "OPTIMIZERS",
     "RunSpec",
     "ValLossRecorder",
@@ -41,6 +42,10 @@ __all__ = [
 ]
 
 OPTIMIZERS = ("muon", "adamw")
+# The best lr of each in benchmarks/bench_quality.py's sweep at the default model size
+# (seed 0, 300 steps): Muon (match_rms_adamw scaling) over 0.0025, 0.005, 0.01 (0.02 and 0.04
+# did worse in a first sweep), AdamW over 1e-3, 3e-3, 1e-2.
+DEFAULT_LR = {"muon": 0.01, "adamw": 3e-3}
 
 
 @dataclass(kw_only=True)
@@ -52,7 +57,7 @@ class RunSpec:
     steps: int = 300
     """Optimizer steps."""
     lr: float | None = None
-    """Muon lr for ``"muon"``, AdamW lr for ``"adamw"``; None: 0.02 and 3e-3."""
+    """Muon lr for ``"muon"``, AdamW lr for ``"adamw"``; None: ``DEFAULT_LR`` (the best of the quality sweep)."""
     adamw_lr: float = 3e-3
     """AdamW lr of the Muon run's embeddings, head and vectors."""
     ns_coefficients: str = "polar_express"
@@ -83,7 +88,7 @@ class RunSpec:
 
     @property
     def label(self) -> str:
-        lr = self.lr if self.lr is not None else (0.02 if self.optimizer == "muon" else 3e-3)
+        lr = self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
         extra = f", {self.ns_coefficients}" if self.optimizer == "muon" else ""
         return f"{self.optimizer} (lr {lr:g}{extra})"
 
@@ -93,7 +98,7 @@ def muon_config_for(spec: RunSpec) -> MuonConfig:
     schedule = dict(falloff="wsd", warmup=0.05, cooldown=0.3, total_steps=spec.steps)
     if spec.optimizer == "muon":
         return MuonConfig(
-            lr=0.02 if spec.lr is None else spec.lr,
+            lr=DEFAULT_LR["muon"] if spec.lr is None else spec.lr,
             momentum=0.95,
             weight_decay=0.01,
             ns_coefficients=spec.ns_coefficients,
@@ -110,7 +115,7 @@ def muon_config_for(spec: RunSpec) -> MuonConfig:
             Rule(name="matrices", algorithm="adamw", group="adamw", min_ndim=2),
             Rule(name="vectors", algorithm="adamw", group="adamw_no_decay", options={"weight_decay": 0.0}),
         ],
-        adamw_lr=3e-3 if spec.lr is None else spec.lr,
+        adamw_lr=DEFAULT_LR["adamw"] if spec.lr is None else spec.lr,
         adamw_weight_decay=0.01,
         **schedule,
     )

@@ -2,6 +2,8 @@
 
 from __future__ import annotations
 
+import json
+import math
 import os
 import subprocess
 import sys
@@ -21,7 +23,7 @@ def _run(*args: str, cwd: Path) -> str:
 
 def test_every_example_has_a_readme_and_a_config():
     folders = [p for p in (ROOT / "examples").iterdir() if p.is_dir() and p.name != "__pycache__"]
-    assert len(folders) >= 5
+    assert len(folders) >= 8
     for folder in folders:
         assert (folder / "README.md").is_file(), folder
         configs = list(folder.glob("*.yaml")) + list(folder.glob("config*.py"))
@@ -56,3 +58,41 @@ def test_lightning_cli_example_runs_from_its_yaml(tmp_path):
     # The CLI saved the config it ran with, the override included.
     saved = next(tmp_path.rglob("config.yaml")).read_text()
     assert "lr: 0.03" in saved
+
+
+def test_main_job_writes_report_plot_and_json(tmp_path):
+    out = tmp_path / "run"
+    stdout = _run(
+        str(ROOT / "examples/muon_vs_adamw/main.py"),
+        "--steps",
+        "6",
+        "--eval-every",
+        "3",
+        "--out",
+        str(out),
+        cwd=tmp_path,
+    )
+    assert f"report: {out / 'report.md'}" in stdout and f"plot:   {out / 'loss_curves.png'}" in stdout
+    assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads((out / "report.json").read_text())
+    for name in ("muon", "adamw"):
+        assert report["runs"][name]["steps"] == [3, 6]
+        assert all(math.isfinite(v) for v in report["runs"][name]["val_loss"])
+    summary = report["summary"]
+    assert summary["adamw_best_val_loss"] == min(report["runs"]["adamw"]["val_loss"])
+    text = (out / "report.md").read_text()
+    assert "| 6 |" in text and "AdamW's best validation loss" in text
+    # The spectra summary of the Muon run: one row per hidden matrix of the 2-layer model.
+    assert text.count("| model.blocks.") == 8
+
+
+def test_spectra_example_writes_a_tensorboard_event_file(tmp_path):
+    out = _run(str(ROOT / "examples/spectra_tensorboard/train.py"), "--max-steps", "3", "--logdir", "tb", cwd=tmp_path)
+    assert "tensorboard --logdir tb" in out
+    assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+
+
+@pytest.mark.parametrize("strategy", ["muon_ddp", "muon_fsdp"])
+def test_distributed_example_runs_on_two_processes(tmp_path, strategy):
+    out = _run(str(ROOT / "examples/distributed/train.py"), "--strategy", strategy, "--max-steps", "2", cwd=tmp_path)
+    assert f"{strategy} on 2 processes: validation loss" in out
