@@ -45,11 +45,11 @@ from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
 
 import lightning_muon.functional as functional
-from lightning_muon import Muon, newton_schulz, route_parameters
+from lightning_muon import Muon, route_parameters
 from lightning_muon.distributed.comm import all_reduce_bytes
 from lightning_muon.distributed.sharded import MuonSharding
 from lightning_muon.models import CharGPT
-from lightning_muon.newton_schulz import ns_flops, resolve_ns_dtype
+from lightning_muon.newton_schulz import ns_flops_as_run, resolve_ns_dtype
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_ddp.json"
 VOCAB = 256
@@ -172,7 +172,7 @@ class NSCounter:
                 for M in a["matrices"]:
                     rows, cols = M.shape[-2:]
                     count = M.numel() // max(1, rows * cols)  # a batch of matrices counts each
-                    self.flops[self.phase] += count * _ns_flops_as_run(M, a)
+                    self.flops[self.phase] += ns_flops_as_run(M, a["steps"], a.get("method", "standard"), a["dtype"])
                     self.matrices[self.phase] += count
             start = time.perf_counter()
             out = original(*args, **kwargs)
@@ -180,18 +180,6 @@ class NSCounter:
             return out
 
         functional.orthogonalize_many = counted
-
-
-def _ns_flops_as_run(M: Tensor, a: dict[str, Any]) -> int:
-    """``ns_flops`` of one matrix with the iteration ``orthogonalize_many`` picks for it."""
-    rows, cols = M.shape[-2:]
-    method = a.get("method", "standard")
-    if method == "standard":
-        return ns_flops(rows, cols, a["steps"])
-    # "gram" or "auto": resolved per matrix by its shape and work dtype, as orthogonalize does.
-    work_dtype = newton_schulz.resolve_ns_dtype(a["dtype"], M.device, M.dtype)
-    method = newton_schulz.resolve_ns_method(method, rows, cols, work_dtype)
-    return ns_flops(rows, cols, a["steps"], method=method)
 
 
 @dataclass

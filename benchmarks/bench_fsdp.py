@@ -51,7 +51,7 @@ import lightning_muon.functional as functional
 from lightning_muon import Muon, route_parameters
 from lightning_muon.distributed.fsdp import MuonFSDPSharding, _matrix_shape, shard_rows
 from lightning_muon.models import CharGPT
-from lightning_muon.newton_schulz import ns_flops
+from lightning_muon.newton_schulz import ns_flops_as_run
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_fsdp.json"
 CONFIGS = ("adamw", "owner", "gather_all", "blockwise")
@@ -179,9 +179,10 @@ class Counters:
                 a.apply_defaults()
                 for M in a.arguments["matrices"]:
                     rows, cols = M.shape[-2:]
-                    count = M.numel() // max(1, rows * cols)
-                    self.flops[self.phase] += count * ns_flops(rows, cols, a.arguments["steps"])
-                    self.matrices[self.phase] += count
+                    self.flops[self.phase] += ns_flops_as_run(
+                        M, a.arguments["steps"], a.arguments["method"], a.arguments["dtype"]
+                    )
+                    self.matrices[self.phase] += M.numel() // max(1, rows * cols)
             return original(*args, **kwargs)
 
         return counted

@@ -19,6 +19,7 @@ from lightning_muon.functional import (
     SECOND_MOMENTS,
     WEIGHT_DECAY_FORMS,
     adamw_,
+    all_finite,
     lion_,
     muon_apply_,
     muon_momentum_,
@@ -274,9 +275,7 @@ class Muon(Optimizer):
         remote = self._sharding is not None and self._sharding.remote_nonfinite
         if not grads and not remote:
             return True
-        # One max-abs per tensor and one host sync: NaN and inf both propagate into it.
-        maxima = torch._foreach_norm(grads, float("inf")) if grads else []
-        if not remote and bool(torch.stack([m.to(maxima[0].device) for m in maxima]).isfinite().all()):
+        if not remote and all_finite(grads):
             return True
         if self.nonfinite == "skip":
             warnings.warn(

@@ -50,6 +50,7 @@ __all__ = [
     "check_ns_method",
     "gram_restarts",
     "ns_flops",
+    "ns_flops_as_run",
     "orthogonalize",
     "orthogonalize_many",
     "resolve_coefficients",
@@ -304,6 +305,18 @@ def ns_flops(rows: int, cols: int, steps: int, cubic: bool = False, method: str 
         if i + 1 < steps and not fresh:
             flops += 4 * m**3  # R <- (a I + Z) R (a I + Z)
     return flops
+
+
+def ns_flops_as_run(M: Tensor, steps: int, method: str = "standard", dtype: torch.dtype | str | None = None) -> int:
+    """``ns_flops`` of a (..., rows, cols) tensor with the iteration ``orthogonalize`` runs for it.
+
+    ``method`` and ``dtype`` are ``orthogonalize``'s arguments: "auto" resolves per shape and
+    work dtype, as there. Counts every matrix of a batch.
+    """
+    rows, cols = M.shape[-2:]
+    work_dtype = resolve_ns_dtype(dtype, M.device, M.dtype)
+    resolved = resolve_ns_method(method, rows, cols, work_dtype)
+    return (M.numel() // max(1, rows * cols)) * ns_flops(rows, cols, steps, method=resolved)
 
 
 def orthogonalize(

@@ -790,3 +790,15 @@ def test_complex_gradients_raise_at_step():
     with pytest.raises(ValueError, match=r"param group 0, parameter 0: complex gradients are not supported"):
         opt.step()
     assert torch.equal(z.detach(), torch.zeros(3, dtype=torch.complex64))
+
+
+@pytest.mark.parametrize("bad", [float("nan"), float("inf"), -float("inf")])
+def test_all_finite_sees_nan_and_both_infinities_in_any_dtype(bad):
+    from lightning_muon.functional import all_finite
+
+    fine = [torch.ones(3, dtype=torch.bfloat16), torch.tensor([1e300], dtype=torch.float64), torch.zeros(0)]
+    assert all_finite(fine)
+    for dtype in (torch.float32, torch.bfloat16, torch.float64):
+        broken = torch.randn(50).to(dtype)
+        broken[17] = bad
+        assert not all_finite([*fine, broken])

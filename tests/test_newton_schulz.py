@@ -419,3 +419,13 @@ def test_orthogonalize_rejects_bad_inputs(G, match):
     """Vectors, integer and complex tensors are refused with their shape or dtype."""
     with pytest.raises(ValueError, match=match):
         orthogonalize(G)
+
+
+def test_ns_flops_as_run_counts_each_matrix_of_a_batch_with_the_iteration_it_runs():
+    from lightning_muon.newton_schulz import ns_flops, ns_flops_as_run
+
+    wide = torch.zeros(3, 128, 512)  # fp32, aspect 4, short side 128: "auto" runs Gram
+    assert ns_flops_as_run(wide, 5, "auto") == 3 * ns_flops(128, 512, 5, method="gram")
+    assert ns_flops_as_run(wide, 5, "standard") == 3 * ns_flops(128, 512, 5)
+    square = torch.zeros(256, 256)
+    assert ns_flops_as_run(square, 5, "auto") == ns_flops(256, 256, 5)

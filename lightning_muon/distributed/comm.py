@@ -66,11 +66,13 @@ def all_to_all_v(
     group=None,
     stats: CommStats | None = None,
     name: str = "all_to_all",
+    out: Tensor | None = None,
 ) -> Tensor:
     """Uneven all-to-all of a flat tensor: ``send_counts[r]`` elements go to rank ``r``.
 
     Returns the flat received tensor: ``recv_counts[r]`` elements from each rank ``r``,
-    in rank order. A rank may send or receive nothing; every rank must call it.
+    in rank order (written into ``out`` when given). A rank may send or receive nothing;
+    every rank must call it.
     """
     world = dist.get_world_size(group)
     rank = dist.get_rank(group)
@@ -78,7 +80,9 @@ def all_to_all_v(
         raise ValueError(f"send_counts and recv_counts need one entry per rank ({world})")
     if send.numel() != sum(send_counts):
         raise ValueError(f"send has {send.numel()} elements but send_counts sum to {sum(send_counts)}")
-    recv = send.new_empty(sum(recv_counts))
+    if out is not None and (out.numel() != sum(recv_counts) or out.dtype != send.dtype):
+        raise ValueError(f"out must hold {sum(recv_counts)} elements of {send.dtype}, got {out.numel()} of {out.dtype}")
+    recv = send.new_empty(sum(recv_counts)) if out is None else out
     if world == 1:
         recv.copy_(send)
         return recv

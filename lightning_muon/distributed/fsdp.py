@@ -41,7 +41,7 @@ from torch.distributed.tensor import DTensor, Shard
 
 from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
 from lightning_muon.distributed.planning import plan_ownership
-from lightning_muon.functional import muon_orthogonalize
+from lightning_muon.functional import all_finite, muon_orthogonalize
 from lightning_muon.newton_schulz import resolve_ns_dtype
 
 __all__ = ["FSDP_MODES", "MuonFSDPSharding", "shard_rows"]
@@ -162,7 +162,7 @@ class MuonFSDPSharding:
         """
         grads = [self.local_shard(p.grad) for g in self.optimizer.param_groups for p in g["params"]]
         grads = [g for g in grads if g is not None and g.numel()]
-        local_ok = not grads or bool(torch.stack(torch._foreach_norm(grads, float("inf"))).isfinite().all())
+        local_ok = all_finite(grads)
         if self.world_size == 1:
             return False
         with_grad = tuple(i for i, p in enumerate(self.params) if p.grad is not None)

@@ -21,6 +21,7 @@ from torch import Tensor
 
 from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
 from lightning_muon.distributed.planning import plan_ownership
+from lightning_muon.functional import all_finite
 
 __all__ = ["MODES", "MuonSharding"]
 
@@ -49,11 +50,20 @@ class MuonSharding:
         )
         self._owner = {id(p): r for p, r in zip(self.params, self.plan.owners)}
         self.remote_nonfinite = False
+        # Flat send/receive buffers kept across steps: a fresh multi-megabyte tensor per step
+        # costs more in page faults than copying into it (measured 7x on CPU).
+        self._buffers: dict[str, Tensor] = {}
         optimizer._sharding = self
 
     def owns(self, p: Tensor) -> bool:
         """True when this rank orthogonalizes ``p`` (and for any non-Muon parameter)."""
         return self._owner.get(id(p), self.rank) == self.rank
+
+    def _buffer(self, name: str, numel: int, like: Tensor) -> Tensor:
+        buf = self._buffers.get(name)
+        if buf is None or buf.numel() != numel or buf.dtype != like.dtype or buf.device != like.device:
+            buf = self._buffers[name] = like.new_empty(numel)
+        return buf
 
     def _by_owner(self) -> list[list[Tensor]]:
         return [[self.params[i] for i in self.plan.owned(r)] for r in range(self.world_size)]
@@ -82,21 +92,28 @@ class MuonSharding:
             send_counts.append(sum(p.numel() for p in owned) + len(owned))
         mine = by_owner[self.rank]
         size = sum(p.numel() for p in mine) + len(mine)
-        recv = all_to_all_v(
-            torch.cat(pieces), send_counts, [size] * self.world_size, self.group, self.stats, name="reduce_scatter"
-        )
-        total = recv.view(self.world_size, size).sum(0)  # (size,) summed over ranks
+        ref = self.params[0].detach()
+        send = torch.cat(pieces, out=self._buffer("reduce_send", sum(send_counts), ref))
+        # The owned gradients below are views of this buffer, until the next reduce refills it.
+        recv = self._buffer("reduce_recv", size * self.world_size, ref)
+        all_to_all_v(send, send_counts, [size] * self.world_size, self.group, self.stats, "reduce_scatter", out=recv)
+        rows = recv.view(self.world_size, size)  # (W, size): what each rank sent this one
+        total = rows[0]
+        for row in rows[1:]:
+            total.add_(row)  # summed in place, in rank order
         grads, flags = total[: size - len(mine)], total[size - len(mine) :]
+        grads.div_(self.world_size)
         offset = 0
         for p, flag in zip(mine, flags.tolist()):
             n = p.numel()
-            p.grad = grads[offset : offset + n].view_as(p).div_(self.world_size).to(p.dtype) if flag > 0 else None
+            p.grad = grads[offset : offset + n].view_as(p).to(p.dtype) if flag > 0 else None
             offset += n
         for owned in by_owner:
             if owned is not mine:
                 for p in owned:
                     p.grad = None
-        local_ok = all(bool(p.grad.isfinite().all()) for p in mine if p.grad is not None)
+        # One pass over the flat buffer (absent gradients are zeros there).
+        local_ok = all_finite([grads])
         ok = torch.tensor([1.0 if local_ok else 0.0])
         all_reduce_(ok, dist.ReduceOp.MIN, self.group, self.stats, name="nonfinite_flag")
         if local_ok and ok.item() == 0.0:
@@ -111,12 +128,16 @@ class MuonSharding:
             return
         by_owner = self._by_owner()
         mine = by_owner[self.rank]
-        blob = torch.cat([p.detach().reshape(-1) for p in mine]) if mine else self.params[0].new_empty(0)
+        ref = self.params[0].detach()
         sizes = [sum(p.numel() for p in owned) for owned in by_owner]
+        blob = self._buffer("gather_send", sizes[self.rank], ref)
+        if mine:
+            torch.cat([p.detach().reshape(-1) for p in mine], out=blob)
         send_counts = [0 if r == self.rank else blob.numel() for r in range(self.world_size)]
         recv_counts = [0 if r == self.rank else sizes[r] for r in range(self.world_size)]
-        send = torch.cat([blob] * (self.world_size - 1))
-        recv = all_to_all_v(send, send_counts, recv_counts, self.group, self.stats, name="all_gather")
+        send = blob if self.world_size == 2 else torch.cat([blob] * (self.world_size - 1))
+        recv = self._buffer("gather_recv", sum(recv_counts), ref)
+        all_to_all_v(send, send_counts, recv_counts, self.group, self.stats, name="all_gather", out=recv)
         offset = 0
         for r, owned in enumerate(by_owner):
             if r == self.rank:
