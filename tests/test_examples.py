@@ -87,9 +87,11 @@ def test_main_job_writes_report_plot_and_json(tmp_path):
 
 
 def test_spectra_example_writes_a_tensorboard_event_file(tmp_path):
-    out = _run(str(ROOT / "examples/spectra_tensorboard/train.py"), "--max-steps", "3", "--logdir", "tb", cwd=tmp_path)
+    script = str(ROOT / "examples/spectra_tensorboard/train.py")
+    out = _run(script, "--max-steps", "3", "--logdir", "tb", "--save-heatmap", "heat.png", cwd=tmp_path)
     assert "tensorboard --logdir tb" in out
     assert list((tmp_path / "tb").rglob("events.out.tfevents.*"))
+    assert (tmp_path / "heat.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"  # read back from the event file
 
 
 @pytest.mark.parametrize("strategy", ["muon_ddp", "muon_fsdp"])

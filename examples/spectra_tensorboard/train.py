@@ -28,6 +28,7 @@ def main() -> None:
     parser.add_argument("--config", type=Path, default=Path(__file__).with_name("config.yaml"))
     parser.add_argument("--max-steps", type=int, default=None, help="overrides trainer.max_steps")
     parser.add_argument("--logdir", type=Path, default=Path("runs/spectra_tensorboard"))
+    parser.add_argument("--save-heatmap", type=Path, default=None, help="also write the last heatmap image here (PNG)")
     args = parser.parse_args()
     config = yaml.safe_load(args.config.read_text())
     trainer_kwargs = config["trainer"] | ({"max_steps": args.max_steps} if args.max_steps else {})
@@ -43,6 +44,19 @@ def main() -> None:
     )
     trainer.fit(CharGPTModule(**config["model"]), datamodule=CharTextDataModule(**config["data"]))
     print(f"TensorBoard logs: {logger.log_dir}\nview them with: tensorboard --logdir {args.logdir}")
+    if args.save_heatmap is not None:
+        save_last_heatmap(Path(logger.log_dir), args.save_heatmap)
+        print(f"last heatmap: {args.save_heatmap}")
+
+
+def save_last_heatmap(log_dir: Path, path: Path) -> None:
+    """Copy the last ``spectra/heatmap`` image of the event file (stored as PNG bytes) to ``path``."""
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+
+    events = EventAccumulator(str(log_dir), size_guidance={"images": 0})
+    events.Reload()
+    path.parent.mkdir(parents=True, exist_ok=True)
+    path.write_bytes(events.Images("spectra/heatmap")[-1].encoded_image_string)
 
 
 if __name__ == "__main__":
