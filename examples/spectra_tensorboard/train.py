@@ -50,13 +50,31 @@ def main() -> None:
 
 
 def save_last_heatmap(log_dir: Path, path: Path) -> None:
-    """Copy the last ``spectra/heatmap`` image of the event file (stored as PNG bytes) to ``path``."""
-    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    """Draw the last ``spectra/heatmap`` image of the event file, with its row names, as a PNG."""
+    import io
 
-    events = EventAccumulator(str(log_dir), size_guidance={"images": 0})
+    import matplotlib
+
+    matplotlib.use("Agg")
+    import matplotlib.pyplot as plt
+    from tensorboard.backend.event_processing.event_accumulator import EventAccumulator
+    from tensorboard.util.tensor_util import make_ndarray
+
+    events = EventAccumulator(str(log_dir), size_guidance={"images": 0, "tensors": 0})
     events.Reload()
+    image = events.Images("spectra/heatmap")[-1]
+    rows_text = make_ndarray(events.Tensors("spectra/heatmap_rows/text_summary")[-1].tensor_proto)
+    names = [line.split("`")[1] for line in rows_text.item().decode().splitlines()]  # "0. `name`"
+    pixels = plt.imread(io.BytesIO(image.encoded_image_string), format="png")
+    fig, ax = plt.subplots(figsize=(8, 0.35 * len(names) + 1.4), dpi=120)
+    ax.imshow(pixels, aspect="auto", extent=(0, 1, len(names) - 0.5, -0.5), interpolation="nearest")
+    ax.set_yticks(range(len(names)), names, fontsize=8)
+    ax.set_xlabel("singular value index / short side (largest first); colour: value / largest value")
+    ax.set_title(f"Muon update spectra at step {image.step} (UpdateSpectrumMonitor)")
+    fig.tight_layout()
     path.parent.mkdir(parents=True, exist_ok=True)
-    path.write_bytes(events.Images("spectra/heatmap")[-1].encoded_image_string)
+    fig.savefig(path)
+    plt.close(fig)
 
 
 if __name__ == "__main__":

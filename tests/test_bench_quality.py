@@ -1,0 +1,38 @@
+"""benchmarks/bench_quality.py runs end to end and its JSON adds up (never a timing assertion)."""
+
+from __future__ import annotations
+
+import json
+import math
+import subprocess
+import sys
+from pathlib import Path
+
+ROOT = Path(__file__).resolve().parents[1]
+
+
+def test_quick_quality_benchmark_reports_steps_to_adamws_best(tmp_path):
+    out = tmp_path / "q.json"
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / "bench_quality.py"), "--quick", "--out", str(out)],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=600,
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    report = json.loads(out.read_text())
+    assert report["machine"] in proc.stdout and "Muon steps / AdamW steps" in proc.stdout
+    curves = report["mean_curves"]
+    assert set(curves) == {"muon", "adamw", "muon_keller"}
+    target = report["target_val_loss"]
+    assert target == min(curves["adamw"]["val_loss"])
+    for name, curve in curves.items():
+        assert all(math.isfinite(v) for v in curve["val_loss"])
+        reached = report["steps_to_target"][name]
+        # The reported step is the first evaluated step at or below the target.
+        expected = next((s for s, v in zip(curve["steps"], curve["val_loss"]) if v <= target), None)
+        assert reached == expected, name
+    assert report["steps_to_target"]["adamw"] is not None
+    if report["steps_to_target"]["muon"] is not None:
+        assert report["muon_step_ratio"] == report["steps_to_target"]["muon"] / report["steps_to_target"]["adamw"]
