@@ -78,6 +78,8 @@ class Settings:
     warmup: int
     steps: int
     """Timed training steps per configuration after ``warmup`` untimed ones; bytes and FLOPs are per step."""
+    ns_dtype: str | None = None
+    """Newton-Schulz dtype; None is the automatic policy (bf16 where this host's bf16 matmul is fast)."""
 
 
 class GatherAllSharding(MuonFSDPSharding):
@@ -205,8 +207,7 @@ def _sharded(name: str, s: Settings, mesh: Any) -> tuple[CharGPT, torch.optim.Op
     fully_shard(model, mesh=mesh)
     if name == "adamw":
         return model, torch.optim.AdamW(model.parameters(), lr=ADAMW_LR, weight_decay=WEIGHT_DECAY), None
-    # ns_dtype None: the automatic policy (float32 on CPUs without fast bf16 matmul).
-    opt = Muon(route_parameters(model), lr=LR, weight_decay=WEIGHT_DECAY, adamw_lr=ADAMW_LR)
+    opt = Muon(route_parameters(model), lr=LR, weight_decay=WEIGHT_DECAY, adamw_lr=ADAMW_LR, ns_dtype=s.ns_dtype)
     sharding = GatherAllSharding(opt) if name == "gather_all" else MuonFSDPSharding(opt, mode=name)
     return model, opt, sharding
 
@@ -241,7 +242,11 @@ def _rank_main(rank: int, s: Settings) -> dict[str, Any]:
     mesh = init_device_mesh("cpu", (w,))
     runs = {name: _sharded(name, s, mesh) for name in CONFIGS}
     single = _model(s) if rank == 0 else None
-    single_opt = Muon(route_parameters(single), lr=LR, weight_decay=WEIGHT_DECAY, adamw_lr=ADAMW_LR) if single else None
+    single_opt = (
+        Muon(route_parameters(single), lr=LR, weight_decay=WEIGHT_DECAY, adamw_lr=ADAMW_LR, ns_dtype=s.ns_dtype)
+        if single
+        else None
+    )
     times: dict[str, dict[str, list[float]]] = {n: {k: [] for k in TIMES} for n in (*CONFIGS, "single")}
     for step in range(s.warmup + s.steps):
         counted = step >= s.warmup
@@ -271,9 +276,9 @@ def _rank_main(rank: int, s: Settings) -> dict[str, Any]:
         "rank": rank,
         "numel": {"total": sum(p.numel() for p in runs["owner"][0].parameters()), "muon": muon_numel},
         "muon_matrices": len(owner.params),
-        "wire_dtype": str(owner._wire_dtype(owner.params, None)).removeprefix("torch."),
+        "wire_dtype": str(owner._wire_dtype(owner.params, s.ns_dtype)).removeprefix("torch."),
         "plan": {"owners": list(owner.plan.owners), "loads": [owner.plan.load(r) for r in range(w)]},
-        "expected_owner_bytes": _expected_owner_bytes(owner, rank),
+        "expected_owner_bytes": _expected_owner_bytes(owner, rank, s.ns_dtype),
         "configs": {
             name: {
                 "bytes_per_step": {k: v / s.steps for k, v in counters.bytes.get(name, {}).items()},
@@ -298,9 +303,9 @@ def _rank_main(rank: int, s: Settings) -> dict[str, Any]:
     }
 
 
-def _expected_owner_bytes(sharding: MuonFSDPSharding, rank: int) -> float:
+def _expected_owner_bytes(sharding: MuonFSDPSharding, rank: int, ns_dtype: str | None) -> float:
     """Bytes this rank sends per step in owner mode, from the plan: its rows of others' matrices, then theirs back."""
-    w, itemsize = sharding.world_size, sharding._wire_dtype(sharding.params, None).itemsize
+    w, itemsize = sharding.world_size, sharding._wire_dtype(sharding.params, ns_dtype).itemsize
     total = 0
     for p, owner in zip(sharding.params, sharding.plan.owners):
         rows, cols = shard_rows(p.shape[0], w), math.prod(p.shape[1:])
@@ -494,6 +499,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 8; 2 with --quick)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
+    parser.add_argument(
+        "--ns-dtype", choices=("float32", "bfloat16"), default=None, help="Newton-Schulz dtype (default: automatic)"
+    )
     args = parser.parse_args(argv)
     if args.world_size < 2 or args.threads < 1 or (args.steps is not None and args.steps < 1):
         parser.error("--world-size must be at least 2, --threads and --steps positive")
@@ -508,7 +516,9 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
         values = dict(n_layer=4, n_embd=256, n_head=4, block_size=64, batch=4, warmup=2, steps=8)
     if args.steps is not None:
         values["steps"] = args.steps
-    return Settings(quick=args.quick, world_size=args.world_size, threads=args.threads, **values)
+    return Settings(
+        quick=args.quick, world_size=args.world_size, threads=args.threads, ns_dtype=args.ns_dtype, **values
+    )
 
 
 def main(argv: list[str] | None = None) -> int:

@@ -33,6 +33,7 @@ from __future__ import annotations
 
 import functools
 import math
+import os
 from collections.abc import Sequence
 from typing import NamedTuple
 
@@ -42,6 +43,7 @@ from torch import Tensor
 __all__ = [
     "BATCH_MAX_ELEMENTS",
     "COEFFICIENTS",
+    "FAST_BF16_ENV",
     "GRAM_MIN_ASPECT",
     "GRAM_MIN_SHORT_SIDE",
     "NORMALIZATION",
@@ -205,8 +207,30 @@ def _cpu_has_fast_bf16() -> bool:
     return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
 
 
+# Environment variable that overrides the hardware answer of ``bf16_matmul_is_fast``:
+# "1" (bf16 is fast), "0" (it is not), unset or empty (detect). It lets a user reproduce a
+# run's Newton-Schulz dtype on another machine, and lets tests run either policy on any host.
+FAST_BF16_ENV = "LIGHTNING_MUON_FAST_BF16"
+
+
+def _forced_fast_bf16() -> bool | None:
+    value = os.environ.get(FAST_BF16_ENV, "").strip()
+    if value == "":
+        return None
+    if value not in ("0", "1"):
+        raise ValueError(f"{FAST_BF16_ENV} must be '1' (bf16 matmul is fast), '0' (it is not) or unset, got {value!r}")
+    return value == "1"
+
+
 def bf16_matmul_is_fast(device: torch.device | str) -> bool:
-    """True where bf16 matmul is faster than fp32 (CUDA with bf16; CPUs with AVX512-BF16/AMX)."""
+    """True where bf16 matmul is faster than fp32 (CUDA with bf16; CPUs with AVX512-BF16/AMX).
+
+    The environment variable ``LIGHTNING_MUON_FAST_BF16`` overrides the detection: ``"1"``
+    answers True and ``"0"`` False on every device; unset, the hardware decides.
+    """
+    forced = _forced_fast_bf16()
+    if forced is not None:
+        return forced
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()

@@ -11,6 +11,7 @@ from torch.testing import assert_close
 import lightning_muon.newton_schulz as ns
 from lightning_muon.newton_schulz import (
     COEFFICIENTS,
+    FAST_BF16_ENV,
     NORMALIZATION,
     bf16_matmul_is_fast,
     ns_flops,
@@ -114,7 +115,7 @@ def test_output_singular_values_lie_in_the_schedule_band(name, dtype, rows, cols
     k = min(rows, cols)
     s = torch.logspace(-4, 0, k, dtype=torch.float64) * scale
     U, V, G = with_spectrum(s, rows, cols, seed=rows + cols)
-    Q = orthogonalize(G.to(dtype), steps=steps, coefficients=name).to(torch.float64)
+    Q = orthogonalize(G.to(dtype), steps=steps, coefficients=name, dtype=dtype).to(torch.float64)
     out = torch.diagonal(U.T @ Q @ V)  # the output singular value paired with each input one
     rel = s / torch.linalg.vector_norm(s)
     above = rel >= floor
@@ -122,6 +123,42 @@ def test_output_singular_values_lie_in_the_schedule_band(name, dtype, rows, cols
     assert lo <= out[above].min().item() and out[above].max().item() <= hi
     # Below the floor the map is still positive and never overshoots the band.
     assert out.min().item() > 0 and out.max().item() <= hi
+
+
+# bf16 keeps 8 significant bits: one ulp at 1 is u = 2^-8.
+BF16_UNIT_ROUNDOFF = 2.0**-8
+# Rounding G to bf16 perturbs it by u / 2 per entry, a spectral perturbation of about
+# (u / 2) (sqrt(m) + sqrt(n)) / sqrt(m n) of ||G||_F: 5e-4 at 48 x 96. Singular values that
+# small relative to ||G||_F are set by the rounding, not by G, so the bf16 floor sits 3x above
+# the float32 one (3e-3), where that perturbation is at most 1/6 of the value.
+BF16_FLOOR = 3e-3
+
+
+@pytest.mark.parametrize("name", sorted(BANDS))
+@pytest.mark.parametrize(("rows", "cols", "scale"), [(64, 64, 1.0), (96, 48, 1e-3), (48, 96, 1e3)])
+def test_bfloat16_output_singular_values_lie_in_the_schedule_band(name, rows, cols, scale):
+    """The bf16 iteration maps singular values above the bf16 floor into the exact band +- 4 u.
+
+    The band is the schedule's composite polynomial over [BF16_FLOOR, 1], evaluated in float64
+    here. The bf16 result is stored with u / 2 relative rounding per entry, and each of the
+    last steps' products adds u / 2 that the next step passes on with a slope below 1 near
+    the band: 4 u bounds their sum (measured at most 1.7 u, polar_express_paper's lower edge).
+    """
+    steps = BANDS[name][0]
+    safety, _ = NORMALIZATION[name]
+    grid = torch.logspace(math.log10(BF16_FLOOR), 0, 100_001, dtype=torch.float64)
+    exact = scalar_map(name, steps, grid / safety)
+    margin = 4 * BF16_UNIT_ROUNDOFF
+    k = min(rows, cols)
+    s = torch.logspace(-4, 0, k, dtype=torch.float64) * scale
+    U, V, G = with_spectrum(s, rows, cols, seed=rows + cols)
+    Q = orthogonalize(G.to(torch.bfloat16), steps=steps, coefficients=name, dtype="bfloat16")
+    assert Q.dtype == torch.bfloat16
+    out = torch.diagonal(U.T @ Q.to(torch.float64) @ V)
+    above = s / torch.linalg.vector_norm(s) >= BF16_FLOOR
+    assert 0 < int(above.sum()) < k
+    assert exact.min().item() - margin <= out[above].min().item()
+    assert out[above].max().item() <= exact.max().item() + margin
 
 
 def test_cubic_converges_to_the_exact_polar_factor():
@@ -284,7 +321,13 @@ def test_short_coefficient_list_repeats_its_last_tuple():
 
 
 @pytest.fixture
-def bf16_speed(monkeypatch):
+def detect(monkeypatch):
+    """Let the hardware decide: unset LIGHTNING_MUON_FAST_BF16 (CI forces it both ways)."""
+    monkeypatch.delenv(FAST_BF16_ENV, raising=False)
+
+
+@pytest.fixture
+def bf16_speed(monkeypatch, detect):
     """Set what the CPU capability check answers; the real cached answer is left alone."""
 
     def set_fast(fast: bool) -> None:
@@ -351,7 +394,7 @@ def test_output_dtype_is_input_dtype(input_dtype, ns_dtype):
 
 
 @pytest.fixture
-def fresh_cpu_check():
+def fresh_cpu_check(detect):
     """Clear the cached CPU capability answer before and after, so no fake answer leaks."""
     ns._cpu_has_fast_bf16.cache_clear()
     yield
@@ -375,11 +418,39 @@ def test_cpu_bf16_check_reads_cpu_capabilities(monkeypatch, fresh_cpu_check, cap
 
 
 @pytest.mark.parametrize("supported", [True, False])
-def test_cuda_bf16_follows_torch_cuda(monkeypatch, supported):
+def test_cuda_bf16_follows_torch_cuda(monkeypatch, detect, supported):
     """On CUDA the answer is torch.cuda.is_bf16_supported(); other devices say no."""
     monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: supported)
     assert bf16_matmul_is_fast("cuda") is supported
     assert bf16_matmul_is_fast("meta") is False
+
+
+@pytest.mark.parametrize(("value", "fast"), [("1", True), ("0", False), (" 1 ", True)])
+@pytest.mark.parametrize("hardware", [True, False])
+@pytest.mark.parametrize("device", ["cpu", "cuda", "meta"])
+def test_environment_variable_overrides_the_hardware_answer(bf16_speed, monkeypatch, value, fast, hardware, device):
+    """LIGHTNING_MUON_FAST_BF16=1/0 decides on every device, whatever the CPU or GPU says."""
+    bf16_speed(hardware)
+    monkeypatch.setattr(torch.cuda, "is_bf16_supported", lambda *args, **kwargs: hardware)
+    monkeypatch.setenv(FAST_BF16_ENV, value)
+    assert bf16_matmul_is_fast(device) is fast
+    assert resolve_ns_dtype(None, device, torch.float32) == (torch.bfloat16 if fast else torch.float32)
+    assert resolve_ns_dtype(None, device, torch.float64) == torch.float64  # float64 is still kept
+    assert resolve_ns_dtype("float32", device, torch.float32) == torch.float32  # an explicit dtype still wins
+
+
+@pytest.mark.parametrize("hardware", [True, False])
+def test_empty_environment_variable_means_detect(bf16_speed, monkeypatch, hardware):
+    bf16_speed(hardware)
+    monkeypatch.setenv(FAST_BF16_ENV, "")
+    assert bf16_matmul_is_fast("cpu") is hardware
+
+
+@pytest.mark.parametrize("value", ["yes", "true", "2", "fast"])
+def test_bad_environment_variable_is_refused_by_name(monkeypatch, value):
+    monkeypatch.setenv(FAST_BF16_ENV, value)
+    with pytest.raises(ValueError, match=rf"LIGHTNING_MUON_FAST_BF16 must be '1' .* got '{value}'"):
+        bf16_matmul_is_fast("cpu")
 
 
 # --------------------------------------------------------------------------- errors
@@ -424,8 +495,10 @@ def test_orthogonalize_rejects_bad_inputs(G, match):
 def test_ns_flops_as_run_counts_each_matrix_of_a_batch_with_the_iteration_it_runs():
     from lightning_muon.newton_schulz import ns_flops, ns_flops_as_run
 
-    wide = torch.zeros(3, 128, 512)  # fp32, aspect 4, short side 128: "auto" runs Gram
-    assert ns_flops_as_run(wide, 5, "auto") == 3 * ns_flops(128, 512, 5, method="gram")
-    assert ns_flops_as_run(wide, 5, "standard") == 3 * ns_flops(128, 512, 5)
+    wide = torch.zeros(3, 128, 512)  # aspect 4, short side 128: "auto" runs Gram in fp32
+    assert ns_flops_as_run(wide, 5, "auto", dtype="float32") == 3 * ns_flops(128, 512, 5, method="gram")
+    assert ns_flops_as_run(wide, 5, "standard", dtype="float32") == 3 * ns_flops(128, 512, 5)
+    # In bf16 "auto" keeps the standard iteration (Gram is unstable in half precision).
+    assert ns_flops_as_run(wide, 5, "auto", dtype="bfloat16") == 3 * ns_flops(128, 512, 5)
     square = torch.zeros(256, 256)
     assert ns_flops_as_run(square, 5, "auto") == ns_flops(256, 256, 5)

@@ -412,7 +412,7 @@ def test_gram_is_as_accurate_as_standard_in_float32(steps, name):
     V, _ = torch.linalg.qr(torch.randn(256, 64, dtype=torch.float64, generator=gen))
     G = (U * torch.logspace(0, -3, 64, dtype=torch.float64)) @ V.T
     polar = _polar(G)
-    err = {m: torch.linalg.matrix_norm(orthogonalize(G.float(), steps, name, method=m).double() - polar).item()
+    err = {m: torch.linalg.matrix_norm(orthogonalize(G.float(), steps, name, "float32", m).double() - polar).item()
            for m in ("standard", "gram")}  # fmt: skip
     assert abs(err["gram"] - err["standard"]) <= 1e-4 * polar.norm().item() + 1e-3 * err["standard"]
 
