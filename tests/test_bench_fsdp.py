@@ -20,7 +20,8 @@ CONFIGS = ("adamw", "owner", "gather_all", "blockwise")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_fsdp") / "report.json"
     proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_fsdp.py"), "--quick", "--ns-dtype", "float32", "--out", str(out)],
+        [sys.executable, str(ROOT / "benchmarks" / "bench_fsdp.py"), "--quick", "--ns-dtype", "float32"]
+        + ["--out", str(out)],
         cwd=ROOT,
         capture_output=True,
         text=True,
