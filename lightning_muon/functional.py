@@ -145,11 +145,15 @@ def muon_orthogonalize(
     split_sizes: Sequence[int] | None,
     batched: bool,
     ns_method: str = "standard",
+    keep_work_dtype: bool = False,
 ) -> list[list[Tensor]]:
-    """Orthogonalize every update's matrices; returns, per update, its list of pieces."""
+    """Orthogonalize every update's matrices; returns, per update, its list of pieces.
+
+    ``keep_work_dtype``: leave the pieces in Newton-Schulz's dtype (see ``orthogonalize_many``).
+    """
     pieces = [matrix_views(u.contiguous(), split_sizes, batched) for u in updates]
     flat = [m for ms in pieces for m in ms]
-    ortho = iter(orthogonalize_many(flat, ns_steps, ns_coefficients, ns_dtype, ns_method))
+    ortho = iter(orthogonalize_many(flat, ns_steps, ns_coefficients, ns_dtype, ns_method, keep_work_dtype))
     return [[next(ortho) for _ in ms] for ms in pieces]
 
 
@@ -243,31 +247,26 @@ def muon_apply_(
     cautious = decay != 0.0 and weight_decay_form == "cautious"
     if decay != 0.0 and not cautious:
         torch._foreach_mul_(params, 1.0 - decay)
-    targets, deltas, scales = [], [], []
+    # Pieces may be in Newton-Schulz's dtype (bf16): ``W.add_(O, alpha=scale)`` reads them once
+    # and accumulates in W's dtype, one pass per matrix, grouped by scale for foreach kernels.
+    by_scale: dict[float, tuple[list[Tensor], list[Tensor]]] = {}
+    copied = []  # (parameter, contiguous copy): applied like any other, then written back
     for p, pieces in zip(params, ortho):
-        if not p.is_contiguous():  # apply through contiguous copies
-            delta = torch.empty_like(p, memory_format=torch.contiguous_format)
-            factor = torch.ones_like(delta) if cautious else None
-            weights = matrix_slots(p.contiguous(), split_sizes, batched) if cautious else [None] * len(pieces)
-            factors = matrix_slots(factor, split_sizes, batched) if cautious else [None] * len(pieces)
-            for d, w, f, o in zip(matrix_slots(delta, split_sizes, batched), weights, factors, pieces):
-                d.copy_(o.reshape(d.shape)).mul_(-lr * adjust_lr_ratio(adjust_lr, *o.shape[-2:], extra_scale_factor))
-                if cautious:
-                    f.masked_fill_(d * w <= 0, 1.0 - decay)  # d = -(scaled O): agreement is O * W >= 0
-            if cautious:
-                p.mul_(factor)
-            p.add_(delta)
-            continue
+        if not p.is_contiguous():  # channels_last convs, transposed storage
+            copied.append((p, p.contiguous()))
+            p = copied[-1][1]
         for w, o in zip(matrix_slots(p, split_sizes, batched), pieces):
-            scales.append(-lr * adjust_lr_ratio(adjust_lr, *o.shape[-2:], extra_scale_factor))
+            scale = -lr * adjust_lr_ratio(adjust_lr, *o.shape[-2:], extra_scale_factor)
             o = o.reshape(w.shape)  # the piece laid out like its slot (a no-op but for grouped splits)
             if cautious:
                 w.mul_(torch.ones_like(w).masked_fill_(o * w >= 0, 1.0 - decay))
+            targets, deltas = by_scale.setdefault(scale, ([], []))
             targets.append(w)
             deltas.append(o)
-    if targets:
-        torch._foreach_mul_(deltas, scales)
-        torch._foreach_add_(targets, deltas)
+    for scale, (targets, deltas) in by_scale.items():
+        torch._foreach_add_(targets, deltas, alpha=scale)
+    for p, contiguous in copied:
+        p.copy_(contiguous)
 
 
 def adamw_(

@@ -362,7 +362,8 @@ class Muon(Optimizer):
         sharded = getattr(self._sharding, "orthogonalize", None)
         if sharded is not None:
             return sharded(params, updates, **kwargs)
-        return muon_orthogonalize(updates, **kwargs)
+        # Pieces stay in Newton-Schulz's dtype: muon_apply_ adds them into the parameters in one pass.
+        return muon_orthogonalize(updates, **kwargs, keep_work_dtype=True)
 
     def _adamw_step(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
         for p in params:

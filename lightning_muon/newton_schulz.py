@@ -376,6 +376,13 @@ def orthogonalize(
         Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz: A Fast, Hardware-Aware Newton-Schulz
         Algorithm for Muon", 2026 (dao-ailab.github.io/blog/2026/gram-newton-schulz).
     """
+    return _orthogonalize(G, steps, coefficients, dtype, method).to(G.dtype)
+
+
+def _orthogonalize(
+    G: Tensor, steps: int, coefficients: str | Sequence[Sequence[float]], dtype: torch.dtype | str | None, method: str
+) -> Tensor:
+    """``orthogonalize`` with the result left in the iteration's dtype (no cast back)."""
     if not isinstance(G, Tensor) or G.ndim < 2:
         raise ValueError(f"G must be a tensor with at least 2 dims, got shape {getattr(G, 'shape', G)}")
     if G.is_complex() or not G.is_floating_point():
@@ -387,11 +394,12 @@ def orthogonalize(
         return torch.zeros_like(G)
     tall = rows > cols
     X = G.reshape(-1, rows, cols)  # (K, rows, cols)
+    # The one full-size copy: laid wide and cast to the work dtype in the same pass.
     X = (X.mT if tall else X).to(work_dtype, memory_format=torch.contiguous_format, copy=True)
     X = _newton_schulz_(X, schedule, norm, method)  # (K, m, n), m <= n
     if tall:
         X = X.mT
-    return X.to(G.dtype).reshape(*batch_shape, rows, cols)
+    return X.reshape(*batch_shape, rows, cols)
 
 
 def _method_and_dtype(
@@ -409,9 +417,12 @@ def _method_and_dtype(
 
 def _newton_schulz_(X: Tensor, schedule: list[Coefficients], norm: Normalization, method: str = "standard") -> Tensor:
     """Iterate in place on ``X`` of shape (K, m, n) with m <= n; returns the result buffer."""
-    # The norm is accumulated in fp32 at least: a bf16 sum of squares loses digits.
+    # The norm of a bf16 X is accumulated in float32 by torch's reduction kernels (CPU and
+    # CUDA) and only the (K, 1, 1) result is rounded to bf16 (2^-9 relative, which the safety
+    # factor absorbs, and what torch.optim.Muon does); asking for dtype=float32 instead would
+    # convert the whole of X first, a full-size pass. The scalar arithmetic then runs in fp32.
     acc = torch.promote_types(X.dtype, torch.float32)
-    fro = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True, dtype=acc)
+    fro = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).to(acc)
     X.div_(fro.mul_(norm.safety).add_(norm.eps).to(X.dtype))
     if method == "gram":
         return _gram_newton_schulz(X, schedule)
@@ -481,6 +492,7 @@ def orthogonalize_many(
     coefficients: str | Sequence[Sequence[float]] = "polar_express",
     dtype: torch.dtype | str | None = None,
     method: str = "standard",
+    keep_work_dtype: bool = False,
 ) -> list[Tensor]:
     """``[orthogonalize(M) for M in matrices]``, with same-shape small matrices batched.
 
@@ -489,6 +501,9 @@ def orthogonalize_many(
     ``BATCH_MAX_ELEMENTS`` elements each are stacked into one batched iteration;
     larger matrices run one by one. Inputs with batch dims are treated as one item.
     ``method`` is resolved per bucket, as ``orthogonalize`` does per matrix.
+    ``keep_work_dtype=True`` returns each result in the dtype it was computed in (bf16 on
+    a fast-bf16 device) instead of casting it back: the caller adds it into the parameter
+    in one pass (``muon_apply_``), where a cast would be a second full-size pass.
     """
     schedule, norm = resolve_coefficients(coefficients, steps)
     check_ns_method(method)
@@ -497,7 +512,8 @@ def orthogonalize_many(
     for i, M in enumerate(matrices):
         rows, cols = M.shape[-2:]
         if M.ndim != 2 or rows * cols > BATCH_MAX_ELEMENTS or M.numel() == 0:
-            out[i] = orthogonalize(M, steps, coefficients, dtype, method)
+            alone = _orthogonalize(M, steps, coefficients, dtype, method)
+            out[i] = alone if keep_work_dtype else alone.to(M.dtype)
             continue
         key = (min(rows, cols), max(rows, cols), M.device, M.dtype)
         buckets.setdefault(key, []).append(i)
@@ -511,7 +527,9 @@ def orthogonalize_many(
             X = first.new_empty(len(part), m, n, dtype=work_dtype)
             for k, i in enumerate(part):
                 X[k].copy_(matrices[i] if matrices[i].shape[0] == m else matrices[i].mT)
-            result = _newton_schulz_(X, schedule, norm, bucket_method).to(first.dtype)  # (K, m, n)
+            result = _newton_schulz_(X, schedule, norm, bucket_method)  # (K, m, n)
+            if not keep_work_dtype:
+                result = result.to(first.dtype)
             for k, i in enumerate(part):
                 out[i] = result[k] if matrices[i].shape[0] == m else result[k].mT
     return out  # type: ignore[return-value]
