@@ -12,6 +12,8 @@ import pytest
 
 from lightning_muon.distributed.comm import all_reduce_bytes
 
+pytestmark = pytest.mark.distributed
+
 ROOT = Path(__file__).resolve().parents[1]
 CONFIGS = ("adamw", "owner", "gather_all", "blockwise")
 

@@ -9,6 +9,8 @@ from dist_utils import run_distributed
 
 from lightning_muon.distributed.comm import CommStats, all_reduce_, all_reduce_bytes, all_to_all_v
 
+pytestmark = pytest.mark.distributed
+
 
 def _exchange(rank: int, world: int) -> dict:
     # Rank r sends (r + 1) * (d + 1) elements to rank d, valued 100 r + d; the last rank sends itself nothing.

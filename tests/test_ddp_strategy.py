@@ -19,6 +19,8 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning_muon import MuonConfig, MuonDDPStrategy
 from lightning_muon.distributed.planning import plan_ownership
 
+pytestmark = pytest.mark.distributed
+
 # fp32 Newton-Schulz: bf16 would turn reduction-order noise into percent-level differences.
 CONFIG = MuonConfig(lr=0.02, weight_decay=0.1, ns_dtype="float32", adamw_lr=1e-2)
 # fp32 throughout; only the gradient summation order differs (~1e-7 relative), and

@@ -35,6 +35,8 @@ from lightning_muon import Muon, MuonFSDPStrategy
 from lightning_muon.distributed.fsdp import MuonFSDPSharding, shard_rows
 from lightning_muon.strategies.fsdp import default_fully_shard
 
+pytestmark = pytest.mark.distributed
+
 ROOT = Path(__file__).resolve().parents[1]
 
 # Exact mode against one process, fp32 throughout: the owner runs the same float32

@@ -15,6 +15,8 @@ from torch.testing import assert_close
 from lightning_muon import Muon
 from lightning_muon.newton_schulz import COEFFICIENTS, NORMALIZATION
 
+pytestmark = pytest.mark.numerics
+
 # ------------------------------------------------------------------ float64 reference
 
 # DESIGN section 2, written out independently of lightning_muon.functional.

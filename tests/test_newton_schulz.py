@@ -21,6 +21,8 @@ from lightning_muon.newton_schulz import (
     resolve_ns_dtype,
 )
 
+pytestmark = pytest.mark.numerics
+
 
 def with_spectrum(s: torch.Tensor, rows: int, cols: int, seed: int) -> tuple[torch.Tensor, ...]:
     """``(U, V, G)`` in float64 with ``G = U diag(s) V^T`` and orthonormal columns in U, V."""

@@ -2,12 +2,15 @@
 
 from __future__ import annotations
 
+import pytest
 import torch
 from hypothesis import given, settings
 from hypothesis import strategies as st
 from torch.testing import assert_close
 
 from lightning_muon.newton_schulz import orthogonalize
+
+pytestmark = pytest.mark.numerics
 
 # Small example counts and no deadline: each example is a few small matmuls, and the whole
 # file should stay in the few-seconds range on a 2-core CPU. No example database is written.

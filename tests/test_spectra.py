@@ -47,6 +47,8 @@ from lightning_muon.metrics import (
     spectrum_stats,
 )
 
+pytestmark = pytest.mark.distributed
+
 F64 = dict(rtol=1e-12, atol=1e-12)
 # The spectra of a 2-rank run against one process: parameters agree to ~1e-6 (fp32 Newton-Schulz,
 # only the gradient summation order differs), singular values of O to the same relative order.

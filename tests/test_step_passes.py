@@ -15,12 +15,15 @@ from __future__ import annotations
 
 import collections
 
+import pytest
 import torch
 from torch import Tensor
 from torch.utils._python_dispatch import TorchDispatchMode
 from torch.utils._pytree import tree_leaves
 
 from lightning_muon import Muon
+
+pytestmark = pytest.mark.numerics
 
 MATMULS = {"mm", "addmm", "bmm", "baddbmm"}
 LR, MOMENTUM, WEIGHT_DECAY = 0.02, 0.95, 0.01

@@ -28,6 +28,8 @@ from lightning_muon.newton_schulz import (
     resolve_ns_method,
 )
 
+pytestmark = [pytest.mark.numerics, pytest.mark.distributed]
+
 # ------------------------------------------------------------------ float64 reference
 
 ADJUST = {
