@@ -141,7 +141,7 @@ class MuonConfig:
     lion_weight_decay: float | None = None
     """Lion decoupled weight decay; None uses ``adamw_weight_decay``."""
     nonfinite: str = "raise"
-    """On a NaN/inf gradient: "raise" or "skip" the step."""
+    """On a NaN/inf gradient: "raise", "skip" the step, or "ignore" (no check, no host-device sync)."""
     # --- routing -------------------------------------------------------------------------
     rules: list[Rule] = field(default_factory=list)
     """User routing rules, tried in order before the default rules."""

@@ -32,7 +32,7 @@ from lightning_muon.newton_schulz import check_ns_dtype, check_ns_method, resolv
 __all__ = ["ALGORITHMS", "Muon"]
 
 ALGORITHMS = ("muon", "adamw", "lion")
-_NONFINITE = ("raise", "skip")
+_NONFINITE = ("raise", "skip", "ignore")
 _DTYPE_NAMES = {
     torch.float32: "float32",
     torch.bfloat16: "bfloat16",
@@ -101,7 +101,10 @@ class Muon(Optimizer):
         lion_lr, lion_betas, lion_weight_decay: Lion group defaults (lr defaults to
             ``adamw_lr``; Lion usually wants 3-10x less).
         nonfinite: ``"raise"`` (default) on a NaN/inf gradient, naming the group and
-            parameter, or ``"skip"`` the whole step with a warning.
+            parameter, ``"skip"`` the whole step with a warning, or ``"ignore"``: no check, as
+            in torch.optim (a NaN reaches the weights). The check reads every gradient once
+            and syncs the host with the device once per step; ``"ignore"`` makes a step
+            free of host-device synchronization (CUDA graphs, overlapped input pipelines).
 
     References:
         Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024.
@@ -266,6 +269,8 @@ class Muon(Optimizer):
         return params, grads
 
     def _grads_finite(self, work: list) -> bool:
+        if self.nonfinite == "ignore":
+            return True
         grads = [g for _, _, gs in work for g in gs]
         # DTensor gradients (FSDP2): each rank checks the shard it holds (an empty one has no
         # max); the sharding's remote_nonfinite makes the ranks agree.

@@ -47,7 +47,7 @@ def test_defaults_are_valid_and_build_the_optimizer():
         ("ns_dtype", "int8", r"MuonConfig\.ns_dtype:"),
         ("adjust_lr", "sqrt", r"MuonConfig\.adjust_lr: .*adjust_lr must be one of"),
         ("extra_scale_factor", 0.0, r"MuonConfig\.extra_scale_factor:"),
-        ("nonfinite", "ignore", r"MuonConfig\.nonfinite: nonfinite must be one of"),
+        ("nonfinite", "warn", r"MuonConfig\.nonfinite: nonfinite must be one of"),
         ("scalar_optimizer", "sgd", r"MuonConfig\.scalar_optimizer must be 'adamw' or 'lion'"),
         ("falloff", "exponential", r"MuonConfig\.falloff must be one of"),
         ("warmup", -1, r"MuonConfig: warmup must be"),

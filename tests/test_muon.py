@@ -6,6 +6,7 @@ import copy
 import io
 import math
 import re
+import warnings
 
 import pytest
 import torch
@@ -677,6 +678,25 @@ def test_nonfinite_skip_warns_changes_nothing_and_recovers():
         assert torch.equal(p, q)
 
 
+def test_nonfinite_ignore_checks_nothing_and_steps_like_raise_on_finite_gradients():
+    """nonfinite="ignore": finite steps equal the checked ones; a NaN goes through, as in torch.optim."""
+    params, checked = hybrid_params(), hybrid_params()
+    opt = hybrid_optimizer(params, lr=0.01, nonfinite="ignore")
+    checked_opt = hybrid_optimizer(checked, lr=0.01)
+    grads = [random_tensors([p.shape for p in params], seed=300 + t) for t in range(2)]
+    run_steps(opt, params, grads)
+    run_steps(checked_opt, checked, grads)
+    for p, q in zip(params, checked):
+        assert torch.equal(p, q)
+    for p, g in zip(params, grads[0]):
+        p.grad = g.clone()
+    params[0].grad[0, 0] = float("nan")
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no warning either
+        opt.step()
+    assert not bool(params[0].isfinite().all())
+
+
 # -------------------------------------------------------------------------- errors
 
 W = nn.Parameter(torch.zeros(4, 6))
@@ -714,7 +734,7 @@ BIAS = nn.Parameter(torch.zeros(4))
         ({"ns_coefficients": [(1.0, 2.0, 3.0, 4.0)]}, r"ns_coefficients must be a non-empty list of \(a, b, c\)"),
         ({"ns_coefficients": [(1.5, -0.5, float("inf"))]}, r"ns_coefficients must be finite numbers, got .*inf"),
         ({"adjust_lr": "sqrt"}, r"adjust_lr must be one of .* got 'sqrt'"),
-        ({"nonfinite": "ignore"}, r"nonfinite must be one of \('raise', 'skip'\), got 'ignore'"),
+        ({"nonfinite": "warn"}, r"nonfinite must be one of \('raise', 'skip', 'ignore'\), got 'warn'"),
         ({"ns_dtype": "int8"}, r"ns_dtype must be None, a torch dtype or one of .* got 'int8'"),
         ({"ns_dtype": torch.int32}, r"ns_dtype must be a floating torch dtype, got torch.int32"),
     ],

@@ -1,0 +1,129 @@
+"""GPU readiness: bf16 Newton-Schulz, a step without host-device sync, 1-GPU fits under both strategies.
+
+Marked ``cuda`` and skipped where ``torch.cuda.is_available()`` is False (CPU-only CI runs
+the same code paths on CPU everywhere else in the suite).
+"""
+
+from __future__ import annotations
+
+import warnings
+
+import lightning.pytorch as pl
+import pytest
+import torch
+import torch.distributed as dist
+from ddp_modules import TinyRegressor
+from fsdp_modules import FSDPRegressor, trainer_kwargs
+from torch import nn
+
+from lightning_muon import Muon, MuonConfig, orthogonalize
+from lightning_muon.newton_schulz import FAST_BF16_ENV, resolve_ns_dtype
+
+pytestmark = [
+    pytest.mark.cuda,
+    pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
+]
+
+CONFIG = MuonConfig(lr=0.02, weight_decay=0.1, ns_dtype="float32", adamw_lr=1e-2)
+
+
+@pytest.fixture(autouse=True)
+def _no_leftover_process_group():
+    yield
+    if dist.is_initialized():
+        dist.destroy_process_group()
+
+
+def test_orthogonalize_in_bfloat16_on_cuda(monkeypatch):
+    """Automatic dtype is bf16 on a GPU; singular values land in polar_express's band +- 4 u."""
+    monkeypatch.delenv(FAST_BF16_ENV, raising=False)
+    assert resolve_ns_dtype(None, "cuda", torch.float32) == torch.bfloat16
+    gen = torch.Generator().manual_seed(0)
+    U, _ = torch.linalg.qr(torch.randn(256, 128, dtype=torch.float64, generator=gen))
+    V, _ = torch.linalg.qr(torch.randn(512, 128, dtype=torch.float64, generator=gen))
+    s = torch.logspace(0, -2, 128, dtype=torch.float64)  # every relative value above 3e-3
+    G = ((U * s) @ V.T).float().cuda()
+    Q = orthogonalize(G)
+    assert Q.dtype == torch.float32 and Q.device.type == "cuda"
+    out = torch.diagonal(U.T @ Q.double().cpu() @ V)
+    # polar_express maps relative singular values in [3e-3, 1] into [0.8589, 1.1411] (float64
+    # evaluation of its composite polynomial); bf16 rounding adds at most a few u = 2^-8.
+    u = 2.0**-8
+    assert 0.8589 - 4 * u <= out.min().item() and out.max().item() <= 1.1411 + 4 * u
+
+
+def _hybrid(device: str) -> list[torch.Tensor]:
+    gen = torch.Generator().manual_seed(1)
+    shapes = [(96, 32), (32, 32), (32, 128), (64, 32, 3, 3), (32,), (10, 32)]
+    return [nn.Parameter((0.1 * torch.randn(shape, generator=gen)).to(device)) for shape in shapes]
+
+
+def _grads(params: list[torch.Tensor], seed: int) -> None:
+    gen = torch.Generator().manual_seed(seed)
+    for p in params:
+        p.grad = torch.randn(p.shape, generator=gen).to(p.device)
+
+
+def _optimizer(params: list[torch.Tensor], ns_dtype: str | None) -> Muon:
+    groups = [
+        {"params": params[:4], "algorithm": "muon"},
+        {"params": params[4:], "algorithm": "adamw"},
+    ]
+    return Muon(groups, lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, adamw_lr=1e-3, nonfinite="ignore")
+
+
+def test_muon_step_on_cuda_never_syncs_with_the_host():
+    """With nonfinite="ignore" a step queues GPU work only: set_sync_debug_mode("error") stays quiet."""
+    params = _hybrid("cuda")
+    opt = _optimizer(params, None)  # automatic: bf16 Newton-Schulz
+    _grads(params, 2)
+    opt.step()  # the first step creates the state
+    _grads(params, 3)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        opt.step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    torch.cuda.synchronize()
+    assert all(bool(p.isfinite().all()) for p in params)
+
+
+def test_muon_step_on_cuda_equals_cpu_in_float32():
+    """fp32 Newton-Schulz on GPU and CPU: the same update up to kernel rounding."""
+    on_gpu, on_cpu = _hybrid("cuda"), _hybrid("cpu")
+    opts = _optimizer(on_gpu, "float32"), _optimizer(on_cpu, "float32")
+    torch.backends.cuda.matmul.allow_tf32 = False  # fp32 means fp32 (TF32 keeps 10 bits)
+    for t in range(3):
+        for params, opt in zip((on_gpu, on_cpu), opts):
+            _grads(params, 10 + t)
+            opt.step()
+    for a, b in zip(on_gpu, on_cpu):
+        # Different blocking of the same fp32 sums (~1e-7 relative), which 3 Newton-Schulz
+        # steps of slope <= ~1e3 keep below 1e-4.
+        torch.testing.assert_close(a.detach().cpu(), b.detach(), rtol=1e-4, atol=1e-5)
+
+
+@pytest.mark.parametrize("strategy", ["muon_ddp", "muon_fsdp"])
+def test_one_gpu_fit_under_each_strategy(tmp_path, strategy):
+    """A 1-GPU Lightning fit (NCCL, world size 1) trains and keeps every parameter finite."""
+    if strategy == "muon_ddp":
+        model = TinyRegressor(CONFIG)
+        kwargs = dict(max_steps=6, logger=False, enable_progress_bar=False, default_root_dir=tmp_path)
+        kwargs.update(enable_model_summary=False, use_distributed_sampler=False)
+    else:
+        model = FSDPRegressor(CONFIG)
+        kwargs = trainer_kwargs(tmp_path, 6, 1, 0.5, "bf16-mixed")
+        kwargs.pop("accelerator")
+    before = {n: p.detach().clone() for n, p in model.named_parameters()}
+    trainer = pl.Trainer(accelerator="gpu", devices=1, strategy=strategy, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # small-dataset notices
+        trainer.fit(model)
+    assert trainer.global_step == 6
+    assert torch.distributed.get_backend() == "nccl"
+    after = {n: p.detach() for n, p in model.named_parameters()}
+    for name, p in after.items():
+        full = p.full_tensor() if hasattr(p, "full_tensor") else p
+        assert bool(full.isfinite().all()), name
+        assert not torch.equal(full.cpu(), before[name].cpu()), name
