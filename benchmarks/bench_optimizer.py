@@ -337,6 +337,31 @@ def _torch_reference_step(hidden: list[Tensor], other: list[Tensor]) -> Callable
     return step
 
 
+def _heavyball_reference_step(hidden: list[Tensor], other: list[Tensor]) -> Callable[[], None] | None:
+    """heavyball.Muon (compile-first: its step is torch.compile'd) on the hidden matrices, the same AdamW.
+
+    heavyball runs its own Newton-Schulz (coefficients, dtype and lr scaling are its defaults),
+    so this row compares speed only. None where heavyball is not installed
+    (``pip install lightning_muon[bench]``).
+    """
+    try:
+        import heavyball
+    except ImportError:
+        return None
+    muon = heavyball.Muon(hidden, lr=LR, betas=(MOMENTUM, 0.99), weight_decay=WEIGHT_DECAY, nesterov=True)
+    adamw = torch.optim.AdamW(other, lr=ADAMW_LR, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=0.0, foreach=True)
+    grads = [(p, p.grad) for p in hidden]  # heavyball sets .grad to None after its step
+
+    def step() -> None:
+        for p, g in grads:
+            p.grad = g
+        muon.step()
+        adamw.step()
+
+    step()  # compiles on the first call (seconds): outside the timed calls
+    return step
+
+
 def _our_step(hidden: list[Tensor], other: list[Tensor], coefficients: str, ns_dtype: str | None) -> Callable:
     groups = [
         {"params": hidden, "algorithm": "muon", "ns_coefficients": coefficients, "ns_dtype": ns_dtype},
@@ -364,6 +389,7 @@ def bench_step(settings: Settings) -> dict[str, Any]:
     # (label, coefficients, ns_dtype, dtype shown); None coefficients is the torch reference.
     variants = {
         "torch": ("torch.optim.Muon + AdamW", None, None, "bfloat16 (always)"),
+        "heavyball": ("heavyball.Muon + AdamW", None, None, "its default"),
         "keller": ("ours, keller", "keller", None, auto),
         "polar_express": ("ours, polar_express", "polar_express", None, auto),
         "keller_bf16": ("ours, keller, bf16", "keller", "bfloat16", "bfloat16 (forced)"),
@@ -374,15 +400,20 @@ def bench_step(settings: Settings) -> dict[str, Any]:
     def run(model: tuple[int, int], key: str) -> None:
         hidden, other = gpt_parameters(*model, device)
         _, coefficients, ns_dtype, _ = variants[key]
-        if coefficients is None:
+        if key == "torch":
             step = _torch_reference_step(hidden, other)
+        elif key == "heavyball":
+            step = _heavyball_reference_step(hidden, other)
+            if step is None:
+                _progress("heavyball is not installed: its rows are skipped")
+                return
         else:
             step = _our_step(hidden, other, coefficients, ns_dtype)
         timings[(model, key)] = t = measure(step, settings)
         _progress(f"step d={model[0]} x {model[1]}: {variants[key][0]}: {t.seconds * 1e3:.1f} ms x {t.reps_label}")
 
     for model in models:
-        for key in ("torch", "keller", "polar_express"):
+        for key in ("torch", "heavyball", "keller", "polar_express"):
             run(model, key)
     # The forced-bf16 rows repeat the reference's slow work on CPUs without fast bf16:
     # run them, smallest model first, while the predicted cost fits in the step budget.
@@ -406,19 +437,31 @@ def bench_step(settings: Settings) -> dict[str, Any]:
         for key, (label, _, _, dtype_label) in variants.items():
             name = f"d={model[0]} x {model[1]}"
             if (model, key) not in timings:
-                table_rows.append([name, label, dtype_label, "skipped", "-", "-", "-"])
+                table_rows.append([name, label, dtype_label, "skipped", "-", "-", "-", "-"])
                 skip = {"model": list(model), "optimizer": label, "ns_dtype": dtype_label}
-                rows.append({**skip, "skipped_predicted_s": skipped[model]})
+                why = {"skipped_predicted_s": skipped[model]} if key != "heavyball" else {"skipped": "not installed"}
+                rows.append({**skip, **why})
                 continue
             t = timings[(model, key)]
             ratio = t.seconds / ref.seconds
+            heavy = timings.get((model, "heavyball"))
+            vs_heavy = t.seconds / heavy.seconds if heavy is not None and key != "torch" else None
             check = ""
             if key in ("keller", "polar_express"):
                 bound = STEP_RATIO_SMALL_MAX if model == SMALL_MODEL else STEP_RATIO_MAX
                 targets.append(_target(f"step: {label} / torch, d={model[0]} x {model[1]}", ratio, "<=", bound))
                 check = f"<= {bound}: {_verdict(targets[-1]['passed'])}"
             table_rows.append(
-                [name, label, dtype_label, t.seconds * 1e3, t.reps_label, "1 (ref)" if key == "torch" else ratio, check]
+                [
+                    name,
+                    label,
+                    dtype_label,
+                    t.seconds * 1e3,
+                    t.reps_label,
+                    "1 (ref)" if key == "torch" else ratio,
+                    "1 (ref)" if key == "heavyball" else (vs_heavy if vs_heavy is not None else "-"),
+                    check,
+                ]
             )
             rows.append(
                 {
@@ -431,9 +474,13 @@ def bench_step(settings: Settings) -> dict[str, Any]:
                     "ms_per_step": t.seconds * 1e3,
                     "timing": t.as_dict(),
                     "ratio_vs_torch": ratio,
+                    "ratio_vs_heavyball": vs_heavy,
                 }
             )
-    print("\n== step: optimizer.step() time, ours vs torch.optim.Muon (hidden) + torch.optim.AdamW(foreach) ==")
+    print(
+        "\n== step: optimizer.step() time, ours vs torch.optim.Muon and vs heavyball.Muon (hidden),"
+        " each + torch.optim.AdamW(foreach) =="
+    )
     print(f"GPT-like parameters, vocab {VOCAB}; fixed random grads; median ms over reps after one warm-up step")
     print("reps 1* = one step exceeded the time budget, so the warm-up step is the sample")
     for model in models:
@@ -442,7 +489,7 @@ def bench_step(settings: Settings) -> dict[str, Any]:
             f"  d={model[0]} x {model[1]}: {r['params'] / 1e6:.2f} M params, {r['hidden_matrices']} hidden matrices, "
             f"{r['ns_gflop_per_step']:.1f} GFLOP of Newton-Schulz per step"
         )
-    print(_table(["model", "optimizer", "NS dtype", "ms/step", "reps", "ours/torch", "target"], table_rows))
+    print(_table(["model", "optimizer", "NS dtype", "ms/step", "reps", "x/torch", "x/heavyball", "target"], table_rows))
     return {"models": [list(m) for m in models], "auto_dtype": auto, "rows": rows, "targets": targets}
 
 
