@@ -474,7 +474,7 @@ def bench_step(settings: Settings) -> dict[str, Any]:
                     "ms_per_step": t.seconds * 1e3,
                     "timing": t.as_dict(),
                     "ratio_vs_torch": ratio,
-                    "ratio_vs_heavyball": vs_heavy,
+                    **({} if vs_heavy is None else {"ratio_vs_heavyball": vs_heavy}),
                 }
             )
     print(
