@@ -219,7 +219,8 @@ def muon_second_moment_(
             ratio = torch.linalg.vector_norm(x, dim=dims, keepdim=True) / torch.linalg.vector_norm(
                 x_hat, dim=dims, keepdim=True
             ).clamp_min(torch.finfo(work).tiny)  # a zero update stays zero
-            normalized.append(x_hat.mul_(ratio).to(o.dtype).reshape(o.shape))
+            # Kept in the work dtype (float32 at least): a bf16 piece is not rounded twice.
+            normalized.append(x_hat.mul_(ratio).reshape(o.shape))
         out.append(normalized)
     return out
 
@@ -264,7 +265,13 @@ def muon_apply_(
             targets.append(w)
             deltas.append(o)
     for scale, (targets, deltas) in by_scale.items():
-        torch._foreach_add_(targets, deltas, alpha=scale)
+        if all(d.dtype == t.dtype for d, t in zip(deltas, targets)):
+            # Same dtype: scale the temporary pieces, then add, as earlier versions did, so fp32
+            # runs reproduce bit for bit. A bf16 piece goes in with alpha: its cast is a pass anyway.
+            torch._foreach_mul_(deltas, scale)
+            torch._foreach_add_(targets, deltas)
+        else:
+            torch._foreach_add_(targets, deltas, alpha=scale)
     for p, contiguous in copied:
         p.copy_(contiguous)
 
