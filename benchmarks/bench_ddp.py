@@ -1,4 +1,4 @@
-"""Benchmark: Muon's Newton-Schulz sharded over W gloo ranks on CPU, against one process and plain DDP.
+"""Benchmark: Muon's Newton-Schulz sharded over W ranks (gloo on CPU, NCCL on GPUs), against one process and plain DDP.
 
 Three results, each a ratio of two numbers measured in the same run on the same model
 (CharGPT, routed by ``route_parameters``, Newton-Schulz in the automatic dtype):
@@ -16,6 +16,7 @@ Usage::
     python benchmarks/bench_ddp.py                  # d=256 x 4 layers, 2 ranks x 1 thread, ~1 min
     python benchmarks/bench_ddp.py --quick          # tiny model, 2 timed steps (smoke test)
     python benchmarks/bench_ddp.py --world-size 3 --steps 30 --out /tmp/ddp.json
+    python benchmarks/bench_ddp.py --device cuda    # NCCL, rank r on cuda:r: one GPU per rank
 
 benchmarks/README.md ("bench_ddp.py") says what each row measures and why.
 """
@@ -89,6 +90,14 @@ class Settings:
     """Seconds the 1-process x W-threads baseline may use in all: on a busy machine its
     threads wait for each other and one step can take seconds. It stops after that (keeping
     at least one step past the warm-up rounds it got)."""
+    device: str = "cpu"
+    """``"cpu"`` (gloo ranks) or ``"cuda"`` (NCCL ranks, rank r on ``cuda:r``)."""
+
+
+def _sync(device: str) -> None:
+    # CUDA runs asynchronously: a clock read must wait for this rank's queued kernels.
+    if device == "cuda":
+        torch.cuda.synchronize()
 
 
 # ---------------------------------------------------------------- counting
@@ -156,11 +165,12 @@ class NSCounter:
     ``seconds`` adds up the wall time of every call, counted or not.
     """
 
-    def __init__(self) -> None:
+    def __init__(self, device: str = "cpu") -> None:
         self.phase: str | None = None
         self.flops: Counter[str] = Counter()
         self.matrices: Counter[str] = Counter()
         self.seconds = 0.0
+        self.device = device
 
     def install(self) -> None:
         original = functional.orthogonalize_many
@@ -174,8 +184,10 @@ class NSCounter:
                     count = M.numel() // max(1, rows * cols)  # a batch of matrices counts each
                     self.flops[self.phase] += ns_flops_as_run(M, a["steps"], a.get("method", "standard"), a["dtype"])
                     self.matrices[self.phase] += count
+            _sync(self.device)
             start = time.perf_counter()
             out = original(*args, **kwargs)
+            _sync(self.device)
             self.seconds += time.perf_counter() - start
             return out
 
@@ -223,8 +235,8 @@ class _Run:
 
 
 def _model(s: Settings) -> CharGPT:
-    torch.manual_seed(0)
-    return CharGPT(VOCAB, s.block_size, n_layer=s.n_layer, n_head=s.n_head, n_embd=s.n_embd)
+    torch.manual_seed(0)  # initialized on the CPU, so every rank and device starts from the same weights
+    return CharGPT(VOCAB, s.block_size, n_layer=s.n_layer, n_head=s.n_head, n_embd=s.n_embd).to(s.device)
 
 
 def _optimizer(model: nn.Module) -> Muon:
@@ -236,7 +248,7 @@ def _batch(s: Settings, step: int, lo: int, hi: int) -> tuple[Tensor, Tensor]:
     """Rows ``lo:hi`` of the global batch of ``step`` (W * batch sequences): inputs and next-token targets."""
     gen = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(VOCAB, (s.world_size * s.batch, s.block_size + 1), generator=gen)[lo:hi]
-    return tokens[:, :-1], tokens[:, 1:]
+    return tokens[:, :-1].to(s.device), tokens[:, 1:].to(s.device)
 
 
 def _build(name: str, s: Settings) -> _Run:
@@ -249,8 +261,10 @@ def _build(name: str, s: Settings) -> _Run:
         inner = run.sharding.gather_parameters
 
         def timed_gather() -> None:  # Muon.step calls it through the instance: time it apart
+            _sync(s.device)
             start = time.perf_counter()
             inner()
+            _sync(s.device)
             run.gather_s += time.perf_counter() - start
 
         run.sharding.gather_parameters = timed_gather  # type: ignore[method-assign]
@@ -289,7 +303,7 @@ def _count(run: _Run, s: Settings, lo: int, hi: int, wire: WireCounter | None, n
     ns.phase = None
 
 
-def _timed_step(run: _Run, ns: NSCounter, barrier: bool) -> None:
+def _timed_step(run: _Run, ns: NSCounter, barrier: bool, device: str = "cpu") -> None:
     """One optimizer step on the saved gradients: reduce_gradients (sharded) then Muon.step."""
     for p, g in run.grads:
         p.grad = g.clone()
@@ -297,11 +311,14 @@ def _timed_step(run: _Run, ns: NSCounter, barrier: bool) -> None:
     ns_before = ns.seconds
     if barrier:
         dist.barrier()  # ranks start together: the slowest rank's time is the step's time
+    _sync(device)  # the gradient copies above are not part of the step
     start, start_cpu = time.perf_counter(), time.process_time()
     if run.sharding is not None:
         run.sharding.reduce_gradients()
+    _sync(device)
     reduced = time.perf_counter()
     run.optimizer.step()
+    _sync(device)
     end, end_cpu = time.perf_counter(), time.process_time()
     run.times["step"].append(end - start)
     run.times["reduce"].append(reduced - start)
@@ -309,12 +326,13 @@ def _timed_step(run: _Run, ns: NSCounter, barrier: bool) -> None:
     run.times["ns"].append(ns.seconds - ns_before)
     # CPU time of every thread of this process (gloo's included): not stretched by other
     # processes taking the cores, so it shows the work when the wall time is distorted.
+    # On CUDA it counts the host waiting for the GPU instead: summarize() drops it there.
     run.times["cpu"].append(end_cpu - start_cpu)
 
 
 def _rank_main(rank: int, s: Settings) -> dict[str, Any]:
     w = s.world_size
-    wire, ns = WireCounter(rank, w), NSCounter()
+    wire, ns = WireCounter(rank, w), NSCounter(s.device)
     wire.install()
     ns.install()
     runs = {name: _build(name, s) for name in CONFIGS}
@@ -338,7 +356,7 @@ def _rank_main(rank: int, s: Settings) -> dict[str, Any]:
                 if threads != s.threads and wide_spent > s.wide_budget_s:
                     continue
                 torch.set_num_threads(threads)
-                _timed_step(single, ns, barrier=False)
+                _timed_step(single, ns, barrier=False, device=s.device)
                 for key, values in series.items():
                     values.append(single.times[key][-1])
                 if threads != s.threads:
@@ -349,7 +367,7 @@ def _rank_main(rank: int, s: Settings) -> dict[str, Any]:
             idle_cpu += time.process_time() - start_cpu
             idle_wall += time.perf_counter() - start_wall
         for run in runs.values():
-            _timed_step(run, ns, barrier=True)
+            _timed_step(run, ns, barrier=True, device=s.device)
     everything = [*single_times.values(), *(run.times for run in runs.values())]
     for series in (values for times in everything for values in times.values()):
         del series[: min(s.warmup, len(series) - 1)]
@@ -369,7 +387,7 @@ def _rank_main(rank: int, s: Settings) -> dict[str, Any]:
         },
         "muon_matrices": len(sharded.params),
         "plan": {"owners": list(plan.owners), "flops": list(plan.flops), "loads": [plan.load(r) for r in range(w)]},
-        "ns_dtype": str(resolve_ns_dtype(None, "cpu", torch.float32)).removeprefix("torch."),
+        "ns_dtype": str(resolve_ns_dtype(None, s.device, torch.float32)).removeprefix("torch."),
         "ns_method": next(
             g.get("ns_method", "standard") for g in sharded.optimizer.param_groups if g["algorithm"] == "muon"
         ),
@@ -399,7 +417,12 @@ def _rank_main(rank: int, s: Settings) -> dict[str, Any]:
 def _worker(rank: int, s: Settings, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(s.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=s.world_size)
+    if s.device == "cuda":
+        # NCCL: one GPU per rank; "cuda" below (models, batches) means this rank's GPU.
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=s.world_size, device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=s.world_size)
     try:
         result = _rank_main(rank, s)
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(result))
@@ -482,6 +505,12 @@ def summarize(s: Settings, ranks: list[dict[str, Any]]) -> dict[str, Any]:
                 for k in ("step", "reduce", "ns", "gather", "cpu")
             },
         }
+    if s.device == "cuda":
+        # The host's CPU time there is mostly waiting for the GPU: not a measure of the work.
+        for times in (*single.values(), *per_config.values()):
+            for key in ("cpu", "cpu_s", "cpu_ratio_to_single", "per_rank_cpu_s"):
+                if key in times:
+                    times[key] = None
     times = {
         "single": single,
         "per_config": per_config,
@@ -538,8 +567,8 @@ def _load_average() -> float:
         return -1.0
 
 
-def describe_machine() -> dict[str, Any]:
-    """CPU model, cores, torch build and load: the context every number in the run needs."""
+def describe_machine(device: str = "cpu") -> dict[str, Any]:
+    """CPU model, cores, torch build and load (and the GPUs on CUDA): the context every number in the run needs."""
     cpu = platform.processor() or platform.machine() or "unknown"
     try:
         for line in Path("/proc/cpuinfo").read_text().splitlines():
@@ -548,7 +577,7 @@ def describe_machine() -> dict[str, Any]:
                 break
     except OSError:
         pass
-    return {
+    info = {
         "cpu": cpu,
         "cpu_cores": os.cpu_count(),
         "torch": torch.__version__,
@@ -558,6 +587,11 @@ def describe_machine() -> dict[str, Any]:
         # Other processes on the same cores distort every time; the load says how much.
         "load_avg_1m_at_start": _load_average(),
     }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_count"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda
+    return info
 
 
 def _summary_rows(s: Settings, summary: dict[str, Any]) -> list[list[Any]]:
@@ -600,20 +634,22 @@ def _summary_rows(s: Settings, summary: dict[str, Any]) -> list[list[Any]]:
     steps = "" if n == s.steps else f", {n} step{'s' * (n != 1)}"  # wide_budget_s ran out
     add(f"step ms, reduce_scatter, {ranks}", ours, wide["step"] * 1e3, f"1 process x {w * t} thr{steps}")
     add(f"step ms, reduce_scatter, {ranks}", ours, by_config["ddp"]["step_s"] * 1e3, f"plain DDP, {ranks}")
-    add(
-        f"step CPU ms, reduce_scatter, {ranks}",
-        by_config["reduce_scatter"]["cpu_s"] * 1e3,
-        single[str(t)]["cpu"] * 1e3,
-        one,
-    )
+    if s.device == "cpu":  # on CUDA the host's CPU time is not the work (summarize drops it)
+        add(
+            f"step CPU ms, reduce_scatter, {ranks}",
+            by_config["reduce_scatter"]["cpu_s"] * 1e3,
+            single[str(t)]["cpu"] * 1e3,
+            one,
+        )
     return rows
 
 
 def print_report(s: Settings, ranks: list[dict[str, Any]], summary: dict[str, Any]) -> None:
     first = ranks[0]
     times = summary["times"]
+    backend = "nccl" if s.device == "cuda" else "gloo"
     print(
-        f"\n== Muon over {s.world_size} gloo ranks vs 1 process: CharGPT d={s.n_embd} x {s.n_layer} layers, "
+        f"\n== Muon over {s.world_size} {backend} ranks vs 1 process: CharGPT d={s.n_embd} x {s.n_layer} layers, "
         f"{first['muon_matrices']} Muon matrices ({first['numel']['muon']:,} of {first['numel']['total']:,} "
         f"elements), Newton-Schulz in {first['ns_dtype']}, ns_method {first['ns_method']!r} =="
     )
@@ -657,19 +693,25 @@ def print_report(s: Settings, ranks: list[dict[str, Any]], summary: dict[str, An
     )
     print(f"\n== step time by part, ms: medians; for {s.world_size} ranks, the slowest rank's median of each part ==")
     rows = []
+    cpu = s.device == "cpu"  # on CUDA the CPU column is dropped: the host mostly waits there
+    parts = ("step", "reduce", "ns", "gather", "cpu") if cpu else ("step", "reduce", "ns", "gather")
     for t, part in times["single"].items():
         rows.append(
             [f"1 process x {t} thr", part["step"], 0.0, part["ns"], 0.0, part["step"] - part["ns"], part["cpu"]]
         )
     for c in CONFIGS:
-        part = {k: max(times["per_config"][c][f"per_rank_{k}_s"]) for k in ("step", "reduce", "ns", "gather", "cpu")}
+        part = {k: max(times["per_config"][c][f"per_rank_{k}_s"]) for k in parts}
         rest = part["step"] - part["reduce"] - part["ns"] - part["gather"]
-        rows.append([c, part["step"], part["reduce"], part["ns"], part["gather"], rest, part["cpu"]])
+        rows.append([c, part["step"], part["reduce"], part["ns"], part["gather"], rest, part.get("cpu")])
+    headers = ["run", "step", "reduce", "NS", "gather", "rest", "CPU"]
+    if not cpu:
+        headers, rows = headers[:-1], [row[:-1] for row in rows]
     rows = [[row[0], *(v * 1e3 for v in row[1:])] for row in rows]
-    print(_table(["run", "step", "reduce", "NS", "gather", "rest", "CPU"], rows))
+    print(_table(headers, rows))
     print(
         "reduce = reduce_gradients (Muon grads to owners; plain DDP does this in backward); NS = orthogonalize_many; "
-        "gather = gather_parameters; rest = momentum, update, AdamW, checks; CPU = CPU time of the step"
+        "gather = gather_parameters; rest = momentum, update, AdamW, checks"
+        + ("; CPU = CPU time of the step" if cpu else "; times synchronized with the GPU")
     )
     idle = [f for f in times["idle_cpu_fraction"] if f is not None]
     print(
@@ -704,7 +746,7 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     for key in ("n_layer", "n_embd", "steps", "warmup"):
         if getattr(args, key) is not None:
             values[key] = getattr(args, key)
-    return Settings(quick=args.quick, world_size=args.world_size, threads=args.threads, **values)
+    return Settings(quick=args.quick, world_size=args.world_size, threads=args.threads, device=args.device, **values)
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -717,22 +759,40 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 15)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 2)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo (default); cuda: NCCL, rank r on cuda:r"
+    )
     args = parser.parse_args(argv)
     if args.world_size < 2:
         parser.error("--world-size must be at least 2")
     if args.threads < 1 or (args.steps is not None and args.steps < 1):
         parser.error("--threads and --steps must be positive")
+    if args.device == "cuda" and args.world_size > torch.cuda.device_count():
+        parser.error(
+            f"--device cuda needs one GPU per rank (NCCL): --world-size {args.world_size}, "
+            f"but torch.cuda.device_count() is {torch.cuda.device_count()}"
+        )
     return args
+
+
+def _settings_json(s: Settings) -> dict[str, Any]:
+    settings = asdict(s)
+    if s.device == "cpu":
+        del settings["device"]  # CPU reports keep the keys they had before --device existed
+    return settings
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     s = settings_from_args(args)
-    machine = describe_machine()
+    machine = describe_machine(s.device)
     print(f"lightning_muon DDP benchmark ({'quick' if s.quick else 'full'}), {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    ranks_on = f"{s.world_size} gloo ranks"
+    if s.device == "cuda":
+        ranks_on = f"{s.world_size} NCCL ranks on cuda:0-{s.world_size - 1} ({machine['gpu']})"
     print(
         f"machine: {machine['cpu']}, {machine['cpu_cores']} cores, torch {machine['torch']}, "
-        f"CPU capability {machine['cpu_capability']}; {s.world_size} gloo ranks x {s.threads} torch thread(s), "
+        f"CPU capability {machine['cpu_capability']}; {ranks_on} x {s.threads} torch thread(s), "
         f"baseline 1 process x {s.threads} (and x {s.world_size * s.threads}) thread(s); "
         f"load average {machine['load_avg_1m_at_start']:.2f}"
     )
@@ -745,7 +805,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"total {elapsed:.1f} s; load average at the end {machine['load_avg_1m_at_end']:.2f}")
     report = {
         "machine": machine,
-        "settings": asdict(s),
+        "settings": _settings_json(s),
         "model": {
             "numel": {k: v for k, v in ranks[0]["numel"].items() if k != "owned"},
             "muon_matrices": ranks[0]["muon_matrices"],

@@ -1,4 +1,4 @@
-"""Benchmark: exact Muon under FSDP2 on W gloo ranks (CPU), against FSDP2 + AdamW, gather-everything and one process.
+"""Benchmark: exact Muon under FSDP2 on W ranks (gloo on CPU, NCCL on GPUs), against AdamW, gather-all and one process.
 
 Four configurations run on the same W processes, each a CharGPT sharded with
 ``fully_shard`` (one unit per block, then the root), as ``MuonFSDPStrategy`` shards it:
@@ -20,6 +20,7 @@ Usage::
     python benchmarks/bench_fsdp.py                  # d=256 x 4 layers, 2 ranks x 1 thread, about 1-2 min
     python benchmarks/bench_fsdp.py --quick          # tiny model, 2 timed steps (smoke test)
     python benchmarks/bench_fsdp.py --world-size 3 --out /tmp/fsdp.json
+    python benchmarks/bench_fsdp.py --device cuda    # NCCL, rank r on cuda:r: one GPU per rank
 """
 
 from __future__ import annotations
@@ -80,6 +81,8 @@ class Settings:
     """Timed training steps per configuration after ``warmup`` untimed ones; bytes and FLOPs are per step."""
     ns_dtype: str | None = None
     """Newton-Schulz dtype; None is the automatic policy (bf16 where this host's bf16 matmul is fast)."""
+    device: str = "cpu"
+    """``"cpu"`` (gloo ranks) or ``"cuda"`` (NCCL ranks, rank r on ``cuda:r``)."""
 
 
 class GatherAllSharding(MuonFSDPSharding):
@@ -193,9 +196,15 @@ class Counters:
 # ---------------------------------------------------------------- one rank
 
 
+def _sync(device: str) -> None:
+    # CUDA runs asynchronously: a clock read must wait for this rank's queued kernels.
+    if device == "cuda":
+        torch.cuda.synchronize()
+
+
 def _model(s: Settings) -> CharGPT:
-    torch.manual_seed(0)
-    return CharGPT(VOCAB, s.block_size, n_layer=s.n_layer, n_head=s.n_head, n_embd=s.n_embd)
+    torch.manual_seed(0)  # initialized on the CPU, so every rank and device starts from the same weights
+    return CharGPT(VOCAB, s.block_size, n_layer=s.n_layer, n_head=s.n_head, n_embd=s.n_embd).to(s.device)
 
 
 def _sharded(name: str, s: Settings, mesh: Any) -> tuple[CharGPT, torch.optim.Optimizer, MuonFSDPSharding | None]:
@@ -215,21 +224,27 @@ def _sharded(name: str, s: Settings, mesh: Any) -> tuple[CharGPT, torch.optim.Op
 def _batch(s: Settings, step: int, lo: int, hi: int) -> tuple[Tensor, Tensor]:
     gen = torch.Generator().manual_seed(1000 + step)
     tokens = torch.randint(VOCAB, (s.world_size * s.batch, s.block_size + 1), generator=gen)[lo:hi]
-    return tokens[:, :-1], tokens[:, 1:]
+    return tokens[:, :-1].to(s.device), tokens[:, 1:].to(s.device)
 
 
-def _train_step(model: CharGPT, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, barrier: bool) -> dict[str, float]:
+def _train_step(
+    model: CharGPT, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, barrier: bool, device: str = "cpu"
+) -> dict[str, float]:
     """One training step; returns its seconds, those of its optimizer step, and that step's CPU seconds."""
     opt.zero_grad(set_to_none=True)
     if barrier:
         dist.barrier()  # ranks start together: the slowest rank's time is the step's time
+    _sync(device)
     start = time.perf_counter()
     CharGPT.loss(model(x), y).backward()
+    _sync(device)
     middle, middle_cpu = time.perf_counter(), time.process_time()
     opt.step()
+    _sync(device)
     end, end_cpu = time.perf_counter(), time.process_time()
     # CPU time of this process's threads (gloo's too): not stretched when other processes
-    # take the cores, so it shows the work when wall times are distorted by load.
+    # take the cores, so it shows the work when wall times are distorted by load. On CUDA it
+    # counts the host waiting for the GPU instead: summarize() drops it there.
     return {"step": end - start, "optimizer": end - middle, "optimizer_cpu": end_cpu - middle_cpu}
 
 
@@ -239,7 +254,7 @@ def _rank_main(rank: int, s: Settings) -> dict[str, Any]:
     w = s.world_size
     counters = Counters(rank, w)
     counters.install()
-    mesh = init_device_mesh("cpu", (w,))
+    mesh = init_device_mesh(s.device, (w,))
     runs = {name: _sharded(name, s, mesh) for name in CONFIGS}
     single = _model(s) if rank == 0 else None
     single_opt = (
@@ -257,13 +272,14 @@ def _rank_main(rank: int, s: Settings) -> dict[str, Any]:
         x, y = _batch(s, step, rank * s.batch, (rank + 1) * s.batch)
         for name, (model, opt, _) in runs.items():
             counters.phase = name if counted else None
-            for key, value in _train_step(model, opt, x, y, barrier=True).items():
+            for key, value in _train_step(model, opt, x, y, barrier=True, device=s.device).items():
                 times[name][key].append(value)
             counters.phase = None
         # The single process runs on rank 0 while the others wait at the barrier below.
         if single is not None:
             counters.phase = "single" if counted else None
-            for key, value in _train_step(single, single_opt, *_batch(s, step, 0, w * s.batch), False).items():
+            single_step = _train_step(single, single_opt, *_batch(s, step, 0, w * s.batch), False, s.device)
+            for key, value in single_step.items():
                 times["single"][key].append(value)
             counters.phase = None
         dist.barrier()
@@ -316,7 +332,12 @@ def _expected_owner_bytes(sharding: MuonFSDPSharding, rank: int, ns_dtype: str |
 def _worker(rank: int, s: Settings, port: int, out_dir: str) -> None:
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
     torch.set_num_threads(s.threads)
-    dist.init_process_group("gloo", rank=rank, world_size=s.world_size)
+    if s.device == "cuda":
+        # NCCL: one GPU per rank; "cuda" below (models, batches, mesh) means this rank's GPU.
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=s.world_size, device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=s.world_size)
     try:
         (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(_rank_main(rank, s)))
     finally:
@@ -374,6 +395,12 @@ def summarize(s: Settings, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     for c in CONFIGS:
         for k in TIMES:
             times[c][f"{k}_ratio_to_single"] = times[c][k] / single_times[k]
+    if s.device == "cuda":
+        # The host's CPU time there is mostly waiting for the GPU: not a measure of the work.
+        for entry in times.values():
+            for key in ("optimizer_cpu", "optimizer_cpu_ratio_to_single"):
+                if key in entry:
+                    entry[key] = None
     targets = [
         _target(f"owner: NS FLOPs, busiest rank / all <= {FLOPS_SLACK}/W", max_share, FLOPS_SLACK / w),
         _target("owner: Muon bytes / gather_all's <= 2/W (+2%)", muon_ratio, 2 / w + MUON_BYTES_SLACK),
@@ -425,8 +452,11 @@ def _table(headers: list[str], rows: list[list[Any]]) -> str:
 def print_report(s: Settings, ranks: list[dict[str, Any]], summary: dict[str, Any]) -> None:
     first, w = ranks[0], s.world_size
     b, f, t = summary["bytes"], summary["flops"], summary["times"]
+    cpu = s.device == "cpu"  # on CUDA the CPU-time columns are dropped: the host mostly waits there
+    backend = "gloo" if cpu else "nccl"
     print(
-        f"\n== Muon under FSDP2, {w} gloo ranks x {s.threads} thread(s): CharGPT d={s.n_embd} x {s.n_layer} layers, "
+        f"\n== Muon under FSDP2, {w} {backend} ranks x {s.threads} thread(s): "
+        f"CharGPT d={s.n_embd} x {s.n_layer} layers, "
         f"{first['muon_matrices']} Muon matrices ({first['numel']['muon']:,} of {first['numel']['total']:,} elements), "
         f"wire dtype {first['wire_dtype']} =="
     )
@@ -443,22 +473,23 @@ def print_report(s: Settings, ranks: list[dict[str, Any]], summary: dict[str, An
                 ns,
                 t[c]["optimizer"] * 1e3,
                 t[c]["optimizer_ratio_to_single"],
-                t[c]["optimizer_cpu"] * 1e3,
-                t[c]["optimizer_cpu_ratio_to_single"],
+                *([t[c]["optimizer_cpu"] * 1e3, t[c]["optimizer_cpu_ratio_to_single"]] if cpu else []),
                 t[c]["step"] * 1e3,
                 t[c]["step_ratio_to_single"],
             ]
         )
     single = t["single"]
     rows.append(["1 process", 0.0, 0.0, 0.0, "-", f["single"] / 1e9, single["optimizer"] * 1e3, 1.0])
-    rows[-1] += [single["optimizer_cpu"] * 1e3, 1.0, single["step"] * 1e3, 1.0]
-    headers = ["config", "FSDP MB", "Muon MB", "total MB", "/ adamw", "NS GFLOP", "opt ms", "/ 1 proc", "opt CPU ms"]
-    print(_table([*headers, "/ 1 proc", "step ms", "/ 1 proc"], rows))
+    rows[-1] += [*([single["optimizer_cpu"] * 1e3, 1.0] if cpu else []), single["step"] * 1e3, 1.0]
+    headers = ["config", "FSDP MB", "Muon MB", "total MB", "/ adamw", "NS GFLOP", "opt ms", "/ 1 proc"]
+    headers += ["opt CPU ms", "/ 1 proc"] if cpu else []
+    print(_table([*headers, "step ms", "/ 1 proc"], rows))
     print(
         "MB sent per step by the busiest rank (all calls to torch.distributed, counted by a wrapper; Muon = the\n"
         "sharding's own count, FSDP = the rest); NS GFLOP = Newton-Schulz work of the busiest rank; times: slowest\n"
         f"rank, median of {s.steps} steps (opt = Muon.step or AdamW.step; step = forward + backward + opt);\n"
         f"1 process = {w} x {s.batch} sequences, {s.threads} thread(s)"
+        + ("" if cpu else ", on cuda:0; times synchronized")
     )
     ratio = summary["muon_bytes_owner_over_gather_all"]
     print(f"owner Muon bytes / gather_all Muon bytes = {ratio:.3f} (2/W = {2 / w:.3f})")
@@ -475,7 +506,7 @@ def print_report(s: Settings, ranks: list[dict[str, Any]], summary: dict[str, An
         print(f"target {target['name']}: {target['value']:.3f} {target['op']} {target['bound']:.3f} {verdict}")
 
 
-def describe_machine() -> dict[str, Any]:
+def describe_machine(device: str = "cpu") -> dict[str, Any]:
     cpu = platform.processor() or platform.machine()
     with contextlib.suppress(OSError, StopIteration):  # no /proc/cpuinfo, or no model name in it
         cpu = next(
@@ -483,13 +514,18 @@ def describe_machine() -> dict[str, Any]:
             for line in Path("/proc/cpuinfo").read_text().splitlines()
             if line.startswith("model name")
         )
-    return {
+    info = {
         "cpu": cpu,
         "cpu_cores": os.cpu_count(),
         "torch": torch.__version__,
         "cpu_capability": torch.backends.cpu.get_cpu_capability(),
         "load_avg_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0,
     }
+    if device == "cuda":
+        info["gpu"] = torch.cuda.get_device_name(0)
+        info["gpu_count"] = torch.cuda.device_count()
+        info["cuda"] = torch.version.cuda
+    return info
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -502,9 +538,17 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--ns-dtype", choices=("float32", "bfloat16"), default=None, help="Newton-Schulz dtype (default: automatic)"
     )
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo (default); cuda: NCCL, rank r on cuda:r"
+    )
     args = parser.parse_args(argv)
     if args.world_size < 2 or args.threads < 1 or (args.steps is not None and args.steps < 1):
         parser.error("--world-size must be at least 2, --threads and --steps positive")
+    if args.device == "cuda" and args.world_size > torch.cuda.device_count():
+        parser.error(
+            f"--device cuda needs one GPU per rank (NCCL): --world-size {args.world_size}, "
+            f"but torch.cuda.device_count() is {torch.cuda.device_count()}"
+        )
     return args
 
 
@@ -517,18 +561,31 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     if args.steps is not None:
         values["steps"] = args.steps
     return Settings(
-        quick=args.quick, world_size=args.world_size, threads=args.threads, ns_dtype=args.ns_dtype, **values
+        quick=args.quick,
+        world_size=args.world_size,
+        threads=args.threads,
+        ns_dtype=args.ns_dtype,
+        device=args.device,
+        **values,
     )
+
+
+def _settings_json(s: Settings) -> dict[str, Any]:
+    settings = asdict(s)
+    if s.device == "cpu":
+        del settings["device"]  # CPU reports keep the keys they had before --device existed
+    return settings
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     s = settings_from_args(args)
-    machine = describe_machine()
+    machine = describe_machine(s.device)
     print(f"lightning_muon FSDP2 benchmark ({'quick' if s.quick else 'full'}), {time.strftime('%Y-%m-%d %H:%M:%S')}")
+    gpus = f"; {s.world_size} NCCL ranks on cuda:0-{s.world_size - 1} ({machine['gpu']})" if s.device == "cuda" else ""
     print(
         f"machine: {machine['cpu']}, {machine['cpu_cores']} cores, torch {machine['torch']}, "
-        f"CPU capability {machine['cpu_capability']}; load average {machine['load_avg_1m_at_start']:.2f}"
+        f"CPU capability {machine['cpu_capability']}{gpus}; load average {machine['load_avg_1m_at_start']:.2f}"
     )
     start = time.perf_counter()
     ranks = run_ranks(s)
@@ -538,7 +595,7 @@ def main(argv: list[str] | None = None) -> int:
     print(f"total {elapsed:.1f} s")
     report = {
         "machine": machine,
-        "settings": asdict(s),
+        "settings": _settings_json(s),
         **summary,
         "projection": projection(s, ranks[0], summary),
         "targets_passed": sum(t["passed"] for t in summary["targets"]),

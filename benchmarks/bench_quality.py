@@ -17,6 +17,7 @@ Usage::
     python benchmarks/bench_quality.py                 # about 10-15 min on a 2-core CPU
     python benchmarks/bench_quality.py --quick         # 2 tiny runs (smoke test)
     python benchmarks/bench_quality.py --steps 600 --out /tmp/quality.json
+    python benchmarks/bench_quality.py --device cuda   # on a GPU
 
 Prints the table and writes JSON (default benchmarks/results/bench_quality.json).
 """
@@ -30,6 +31,8 @@ import sys
 import time
 from pathlib import Path
 from typing import Any
+
+import torch
 
 from lightning_muon.experiment import RunSpec, machine_name, steps_to_reach, train
 
@@ -48,8 +51,8 @@ def _mean_curve(runs: list[dict[str, Any]]) -> tuple[list[int], list[float]]:
     return steps, [statistics.fmean(values) for values in zip(*(r["val_loss"] for r in runs))]
 
 
-def _run(spec: RunSpec, log: list[dict[str, Any]]) -> dict[str, Any]:
-    result = train(spec)
+def _run(spec: RunSpec, log: list[dict[str, Any]], device: str = "cpu") -> dict[str, Any]:
+    result = train(spec, device=device)
     log.append(result)
     final, seconds = result["val_loss"][-1], result["seconds"]
     print(f"  {spec.label:<34} seed {spec.seed}: final val loss {final:.4f} ({seconds:.0f} s)")
@@ -57,7 +60,9 @@ def _run(spec: RunSpec, log: list[dict[str, Any]]) -> dict[str, Any]:
     return result
 
 
-def run_benchmark(steps: int, eval_every: int, muon_lrs, adamw_lrs, seeds, model: dict[str, int]) -> dict[str, Any]:
+def run_benchmark(
+    steps: int, eval_every: int, muon_lrs, adamw_lrs, seeds, model: dict[str, int], device: str = "cpu"
+) -> dict[str, Any]:
     log: list[dict[str, Any]] = []
 
     def spec(optimizer: str, lr: float, seed: int, coefficients: str = "polar_express") -> RunSpec:
@@ -73,7 +78,7 @@ def run_benchmark(steps: int, eval_every: int, muon_lrs, adamw_lrs, seeds, model
 
     print("1. lr sweep (seed 0)")
     sweep = {
-        name: {lr: _run(spec(name, lr, seeds[0]), log)["val_loss"][-1] for lr in lrs}
+        name: {lr: _run(spec(name, lr, seeds[0]), log, device)["val_loss"][-1] for lr in lrs}
         for name, lrs in (("muon", muon_lrs), ("adamw", adamw_lrs))
     }
     best_lr = {name: min(losses, key=losses.get) for name, losses in sweep.items()}
@@ -95,7 +100,7 @@ def run_benchmark(steps: int, eval_every: int, muon_lrs, adamw_lrs, seeds, model
                 ),
                 None,
             )
-            runs.append(done or _run(spec(optimizer, best_lr[optimizer], seed, coefficients), log))
+            runs.append(done or _run(spec(optimizer, best_lr[optimizer], seed, coefficients), log, device))
         by_seed[name] = runs
     curves = {name: _mean_curve(runs) for name, runs in by_seed.items()}
     target = min(curves["adamw"][1])
@@ -135,13 +140,21 @@ def print_table(result: dict[str, Any], machine: str, budget: str) -> None:
     print(f"Polar Express - keller final val loss at the same budget: {gap:+.4f} (negative: Polar Express better)")
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--steps", type=int, default=300, help="optimizer steps per run")
     parser.add_argument("--eval-every", type=int, default=25)
     parser.add_argument("--quick", action="store_true", help="one lr each, one seed, a tiny model (smoke test)")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
     args = parser.parse_args(argv)
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
     model = dict(n_layer=2, n_head=4, n_embd=128, block_size=64, batch_size=32)
     muon_lrs, adamw_lrs, seeds = MUON_LRS, ADAMW_LRS, SEEDS
     if args.quick:
@@ -150,9 +163,11 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.eval_every = 6, 3
     tokens = args.steps * model["batch_size"] * model["block_size"]
     budget = f"{args.steps} steps x {model['batch_size']} x {model['block_size']} tokens = {tokens:,} tokens per run"
-    machine = machine_name()
+    machine = machine_name(args.device)
+    if torch.device(args.device).type == "cuda":
+        machine += f"; runs on {args.device}"
     start = time.perf_counter()
-    result = run_benchmark(args.steps, args.eval_every, muon_lrs, adamw_lrs, seeds, model)
+    result = run_benchmark(args.steps, args.eval_every, muon_lrs, adamw_lrs, seeds, model, args.device)
     print_table(result, machine, budget)
     report = {"machine": machine, "budget": budget, "model": model, "seconds": time.perf_counter() - start, **result}
     args.out.parent.mkdir(parents=True, exist_ok=True)

@@ -10,6 +10,7 @@ Usage::
     python benchmarks/bench_spectra.py                 # demo model (configs/muon.yaml's), 3 x 2 runs of 50 steps
     python benchmarks/bench_spectra.py --steps 200 --repeats 5
     python benchmarks/bench_spectra.py --quick         # tiny model, a few steps (smoke test)
+    python benchmarks/bench_spectra.py --device cuda   # on a GPU
 
 Columns: ``matrices`` watched and ``logged`` steps in the monitored run; seconds per
 training step without and with the callback (medians over ``--repeats``); ``ratio``: the
@@ -50,6 +51,12 @@ DEMO = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=32)
 QUICK = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8)
 
 
+def _sync(device: torch.device) -> None:
+    # CUDA runs asynchronously: without this a clock would read before queued kernels ran.
+    if device.type == "cuda":
+        torch.cuda.synchronize(device)
+
+
 class _Clock(pl.Callback):
     """Wall time from the first training batch to the end of training (setup excluded)."""
 
@@ -57,9 +64,11 @@ class _Clock(pl.Callback):
         self.start = self.end = 0.0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _sync(pl_module.device)
         self.start = time.perf_counter()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        _sync(pl_module.device)
         self.end = time.perf_counter()
 
 
@@ -69,27 +78,39 @@ class _TimedMonitor(UpdateSpectrumMonitor):
     def __init__(self, **kwargs: Any) -> None:
         super().__init__(**kwargs)
         self.inside = 0.0
+        self.device = torch.device("cpu")
 
-    def _timed(self, fn, *args: Any) -> Any:
+    def _timed(self, fn, *args: Any, device_work: bool = False) -> Any:
+        # On CUDA, calls that launch kernels are timed between synchronizations: the training
+        # work queued before them is not theirs, their own kernels are.
+        if device_work:
+            _sync(self.device)
         t0 = time.perf_counter()
         try:
             return fn(*args)
         finally:
+            if device_work:
+                _sync(self.device)
             self.inside += time.perf_counter() - t0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self.device = pl_module.device
         self._timed(super().on_train_start, trainer, pl_module)
         observe = self._collector.observe
-        self._collector.observe = lambda *args: self._timed(observe, *args)  # type: ignore[method-assign]
+        self._collector.observe = lambda *args: self._timed(observe, *args, device_work=True)  # type: ignore[method-assign]
 
     def on_train_batch_start(self, *args: Any) -> None:
         self._timed(super().on_train_batch_start, *args)
 
     def on_train_batch_end(self, *args: Any) -> None:
-        self._timed(super().on_train_batch_end, *args)
+        # Only a step that was observed collects and logs there (synchronizing every step would
+        # slow the monitored run for nothing).
+        self._timed(super().on_train_batch_end, *args, device_work=self._due_step is not None)
 
 
-def _fit(shape: dict[str, int], steps: int, every: int, monitored: bool, workdir: Path) -> dict[str, Any]:
+def _fit(
+    shape: dict[str, int], steps: int, every: int, monitored: bool, workdir: Path, device: torch.device
+) -> dict[str, Any]:
     pl.seed_everything(0, verbose=False)
     model = CharGPTModule(
         n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"], block_size=shape["block_size"]
@@ -114,7 +135,8 @@ def _fit(shape: dict[str, int], steps: int, every: int, monitored: bool, workdir
 
         logger = CSVLogger(workdir, name="monitored" if monitored else "baseline")
     trainer = pl.Trainer(
-        accelerator="cpu",
+        accelerator=device.type,
+        devices=[device.index or 0] if device.type == "cuda" else "auto",
         max_steps=steps,
         logger=logger,
         callbacks=callbacks,
@@ -138,7 +160,7 @@ def _fit(shape: dict[str, int], steps: int, every: int, monitored: bool, workdir
     }
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 50; quick 12)")
     parser.add_argument("--every", type=int, default=None, help="logging interval (default: the callback's, 50)")
@@ -148,7 +170,18 @@ def main(argv: list[str] | None = None) -> int:
     parser.add_argument("--quick", action="store_true", help="tiny model and a few steps: a smoke test")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before measuring")
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON path (git-ignored folder by default)")
+    parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
     args = parser.parse_args(argv)
+    if any(v is not None and v < 1 for v in (args.steps, args.every, args.repeats)):
+        parser.error("--steps, --every and --repeats must be >= 1")
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
+    return args
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # routing reports, tips
@@ -156,21 +189,21 @@ def main(argv: list[str] | None = None) -> int:
     steps = args.steps or (12 if args.quick else 50)
     repeats = args.repeats or (1 if args.quick else 3)
     every = args.every or (5 if args.quick else UpdateSpectrumMonitor().every_n_steps)
-    if steps < 1 or every < 1 or repeats < 1:
-        parser.error("--steps, --every and --repeats must be >= 1")
 
-    machine = describe_machine(torch.device("cpu"))
+    machine = describe_machine(device)
+    # On CUDA the GPU is what runs the model: the lines below name it.
+    gpu = f", GPU {machine['gpu']} ({device})" if device.type == "cuda" else ""
     print(
         f"machine: {machine['cpu']}, {machine['cpu_cores']} cores ({machine['torch_threads']} torch threads), "
-        f"torch {machine['torch']}; load average {machine['load_avg_1m_at_start']:.2f}"
+        f"torch {machine['torch']}{gpu}; load average {machine['load_avg_1m_at_start']:.2f}"
     )
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
-        _fit(shape, min(steps, 3), every, True, workdir)  # warm-up: imports, allocator, threads
+        _fit(shape, min(steps, 3), every, True, workdir, device)  # warm-up: imports, allocator, threads
         for _ in range(repeats):
             for monitored in (False, True):
-                runs.append(_fit(shape, steps, every, monitored, workdir))
+                runs.append(_fit(shape, steps, every, monitored, workdir, device))
                 print(f"  run: monitored={monitored} {runs[-1]['s_per_step']:.4f} s/step", file=sys.stderr)
 
     base = statistics.median(r["s_per_step"] for r in runs if not r["monitored"])
@@ -193,7 +226,7 @@ def main(argv: list[str] | None = None) -> int:
     line = (
         f"| {model} | {steps} | {every} | {monitored_run['matrices']} | {monitored_run['logged_steps']} "
         f"| {base:.4f} | {mon:.4f} | {ratio:.3f} ({measured:+.1%}) | {inside:.2%} "
-        f"| <= {TARGET_OVERHEAD:.0%} | {verdict} | {machine['cpu']}, {machine['torch_threads']} threads |"
+        f"| <= {TARGET_OVERHEAD:.0%} | {verdict} | {machine['cpu']}, {machine['torch_threads']} threads{gpu} |"
     )
     print(line)
     report = {

@@ -145,8 +145,13 @@ def train(
     callbacks: Sequence[Callback] = (),
     logger: Any = False,
     root_dir: str | Path | None = None,
+    device: str | torch.device = "cpu",
 ) -> dict[str, Any]:
-    """Train ``spec`` and return ``{"spec", "label", "steps", "val_loss", "seconds"}``."""
+    """Train ``spec`` and return ``{"spec", "label", "steps", "val_loss", "seconds"}``.
+
+    ``device``: ``"cpu"`` or ``"cuda[:i]"`` (one GPU).
+    """
+    device = torch.device(device)
     pl.seed_everything(spec.seed, verbose=False)
     module = CharGPTModule(
         block_size=spec.block_size,
@@ -165,8 +170,8 @@ def train(
     )
     recorder = ValLossRecorder()
     trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=1,
+        accelerator=device.type,
+        devices=[device.index or 0] if device.type == "cuda" else 1,
         max_steps=spec.steps,
         val_check_interval=spec.eval_every,
         check_val_every_n_epoch=None,
@@ -220,13 +225,17 @@ def plot_curves(runs: Sequence[dict[str, Any]], path: str | Path, title: str) ->
     return path
 
 
-def machine_name() -> str:
-    """``"<CPU model>, <cores> cores, <threads> torch threads, torch <version>[, GPU <name>]"``."""
+def machine_name(device: str | torch.device | None = None) -> str:
+    """``"<CPU model>, <cores> cores, <threads> torch threads, torch <version>[, GPU <name>]"``.
+
+    The GPU named is ``device``'s when it is a CUDA device, else the current one.
+    """
     cpu = platform.processor() or platform.machine() or "unknown CPU"
     try:
         with open("/proc/cpuinfo") as f:
             cpu = next((line.split(":", 1)[1].strip() for line in f if line.startswith("model name")), cpu)
     except OSError:
         pass
-    gpu = f", GPU {torch.cuda.get_device_name()}" if torch.cuda.is_available() else ""
+    cuda = device is not None and torch.device(device).type == "cuda"
+    gpu = f", GPU {torch.cuda.get_device_name(device if cuda else None)}" if torch.cuda.is_available() else ""
     return f"{cpu}, {os.cpu_count()} cores, {torch.get_num_threads()} torch threads, torch {torch.__version__}{gpu}"

@@ -1,15 +1,21 @@
-"""benchmarks/bench_optimizer.py runs end to end and writes complete JSON (never a timing assertion)."""
+"""benchmarks/bench_optimizer.py runs end to end and writes complete JSON (never a timing assertion);
+every benchmark script takes ``--device cuda``."""
 
 from __future__ import annotations
 
+import importlib.util
 import json
 import math
 import subprocess
 import sys
 from pathlib import Path
 
+import pytest
+import torch
+
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("accuracy", "step", "roofline", "batching", "gram")
+BENCHMARKS = sorted((ROOT / "benchmarks").glob("*.py"))
 
 
 def _leaves(value):
@@ -50,3 +56,38 @@ def test_quick_benchmark_writes_every_table(tmp_path):
         assert numbers, name
         assert all(math.isfinite(v) for v in numbers), name
         assert f"== {name}" in proc.stdout
+
+
+def _load(path: Path, monkeypatch: pytest.MonkeyPatch):
+    spec = importlib.util.spec_from_file_location(f"_bench_{path.stem}", path)
+    module = importlib.util.module_from_spec(spec)
+    monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
+    spec.loader.exec_module(module)
+    return module
+
+
+@pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.stem)
+def test_every_benchmark_takes_device_cuda(path, monkeypatch):
+    module = _load(path, monkeypatch)
+    # Parsing only: pretend there are GPUs, one per rank, since parse_args checks for them.
+    monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
+    monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
+    assert module.parse_args(["--device", "cuda"]).device == "cuda"
+    if path.stem != "bench_optimizer":  # the one that picks cuda when there is one
+        assert module.parse_args([]).device == "cpu"
+
+
+@pytest.mark.skipif(torch.cuda.device_count() >= 2, reason="needs fewer than 2 GPUs")
+@pytest.mark.parametrize("name", ["bench_ddp", "bench_fsdp"])
+def test_distributed_benchmarks_refuse_more_ranks_than_gpus(name):
+    proc = subprocess.run(
+        [sys.executable, str(ROOT / "benchmarks" / f"{name}.py"), "--device", "cuda", "--world-size", "2"],
+        cwd=ROOT,
+        capture_output=True,
+        text=True,
+        timeout=120,
+    )
+    # An argparse error before any process is spawned, naming both numbers.
+    assert proc.returncode == 2, proc.stderr[-3000:]
+    assert "one GPU per rank" in proc.stderr and "--world-size 2" in proc.stderr
+    assert f"torch.cuda.device_count() is {torch.cuda.device_count()}" in proc.stderr

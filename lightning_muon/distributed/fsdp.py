@@ -167,7 +167,10 @@ class MuonFSDPSharding:
             return False
         with_grad = tuple(i for i, p in enumerate(self.params) if p.grad is not None)
         signature = hash(with_grad) % (1 << 62)  # ints hash alike in every process; -signature fits int64
-        flags = torch.tensor([0 if local_ok else 1, signature, -signature], dtype=torch.int64)
+        # On the parameters' device: NCCL reduces no CPU tensors.
+        flags = torch.tensor(
+            [0 if local_ok else 1, signature, -signature], dtype=torch.int64, device=self.params[0].device
+        )
         all_reduce_(flags, dist.ReduceOp.MAX, self.group, self.stats, name="step_check")
         if flags[1].item() != -flags[2].item():
             raise RuntimeError(

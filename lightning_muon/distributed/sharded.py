@@ -114,7 +114,7 @@ class MuonSharding:
                     p.grad = None
         # One pass over the flat buffer (absent gradients are zeros there).
         local_ok = all_finite([grads])
-        ok = torch.tensor([1.0 if local_ok else 0.0])
+        ok = torch.tensor([1.0 if local_ok else 0.0], device=grads.device)  # NCCL: no CPU tensors
         all_reduce_(ok, dist.ReduceOp.MIN, self.group, self.stats, name="nonfinite_flag")
         if local_ok and ok.item() == 0.0:
             self.remote_nonfinite = True
