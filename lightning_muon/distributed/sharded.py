@@ -173,7 +173,13 @@ class MuonSharding:
         # float64 carries every float32/bf16/fp16 value and integer counters below 2**53 exactly.
         wire = torch.float64 if dtypes - {"torch.float32", "torch.bfloat16", "torch.float16"} else torch.float32
         device = self.params[0].device if self.params else torch.device("cpu")
-        tensors = [v.detach().reshape(-1).to(wire) for st in local for v in st.values() if isinstance(v, Tensor)]
+        # One device for the blob: a state entry kept on the CPU (a step counter) joins the rest.
+        tensors = [
+            v.detach().reshape(-1).to(device=device, dtype=wire)
+            for st in local
+            for v in st.values()
+            if isinstance(v, Tensor)
+        ]
         blob = torch.cat(tensors) if tensors else torch.empty(0, dtype=wire, device=device)
         sizes = [sum(_numel(shape) for entry in lay for shape in _tensor_shapes(entry)) for lay in layouts]
         if self.world_size == 1:
