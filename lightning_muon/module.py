@@ -33,14 +33,21 @@ def _total_steps(config: MuonConfig, module: nn.Module | None) -> int | None:
     """``config.total_steps``, else the trainer's estimate when the schedule needs one."""
     if config.total_steps is not None:
         return config.total_steps
-    try:
-        config.lr_schedule(None)
-        return None  # the schedule does not depend on the run's length
-    except ValueError:
-        pass
     trainer = getattr(module, "_trainer", None)
     estimate = trainer.estimated_stepping_batches if trainer is not None else None
-    if estimate is None or not math.isfinite(estimate) or estimate < 1:
+    known = estimate is not None and math.isfinite(estimate) and estimate >= 1
+    try:
+        config.lr_schedule(None)
+    except ValueError:
+        pass
+    else:
+        # The schedule does not depend on the run's length (constant, inverse_sqrt), but a
+        # warmup or stable phase longer than the run would never reach the peak lr: the same
+        # error as for the falloffs that need the total.
+        if known:
+            config.lr_schedule(int(estimate))
+        return None
+    if not known:
         raise ValueError(
             f"MuonConfig.total_steps is needed by falloff={config.falloff!r} (or a fractional phase) and could not "
             f"be taken from the trainer (estimated_stepping_batches={estimate}); set total_steps or max_steps"
@@ -105,6 +112,19 @@ class MuonModuleMixin:
 
     def configure_optimizers(self) -> dict:
         return configure_muon_optimizers(self, self.resolve_muon_config())  # type: ignore[arg-type]
+
+    def configure_gradient_clipping(
+        self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm=None
+    ) -> None:
+        """Lightning's clipping, after ``Muon`` has looked for NaN/inf in the gradients it was given.
+
+        Clipping by norm spreads one non-finite gradient to all of them; checked first, the
+        step's error names the parameter whose gradient went bad (and skips its own check).
+        """
+        inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
+        if gradient_clip_val and isinstance(inner, Muon):
+            inner.precheck_gradients()
+        super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)  # type: ignore[misc]
 
 
 def build_optimizers(

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 import math
 import numbers
 import warnings
@@ -33,6 +34,8 @@ __all__ = ["ALGORITHMS", "Muon"]
 
 ALGORITHMS = ("muon", "adamw", "lion")
 _NONFINITE = ("raise", "skip", "ignore")
+# State entries shaped like their parameter (second moments may be reduced: not checked).
+_PARAM_SHAPED = ("momentum_buffer", "exp_avg", "exp_avg_sq")
 _DTYPE_NAMES = {
     torch.float32: "float32",
     torch.bfloat16: "bfloat16",
@@ -190,6 +193,24 @@ class Muon(Optimizer):
     # ``ortho`` per parameter its list of pieces, as they are applied (before the lr scale).
     _update_observer = None
 
+    @classmethod
+    def option_names(cls, algorithm: str) -> frozenset[str]:
+        """The keys a param group of ``algorithm`` may set: its hyperparameters, and ``name``.
+
+        Read off ``__init__``'s keywords: unprefixed ones are Muon's (plus ``split_sizes`` and
+        ``batched``), ``adamw_*`` and ``lion_*`` the other algorithms'.
+        """
+        keywords = [k for k in inspect.signature(cls.__init__).parameters if k not in ("self", "params", "nonfinite")]
+        prefixes = {a: f"{a}_" for a in ALGORITHMS if a != "muon"}
+        if algorithm == "muon":
+            own = {k for k in keywords if not any(k.startswith(p) for p in prefixes.values())}
+            own |= {"split_sizes", "batched"}
+        elif algorithm in prefixes:
+            own = {k.removeprefix(prefixes[algorithm]) for k in keywords if k.startswith(prefixes[algorithm])}
+        else:
+            raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
+        return frozenset(own | {"name", "param_names"})
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = dict(param_group)
         params = group["params"]
@@ -225,6 +246,72 @@ class Muon(Optimizer):
             # the step reads ``betas`` and refreshes this copy.
             group["momentum"] = group["betas"][0]
         super().add_param_group(group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``Optimizer.load_state_dict``, after checking the checkpoint was saved with this routing.
+
+        torch matches saved state to parameters by position alone: after a routing change that
+        keeps group sizes, Muon momentum would land on an AdamW parameter and the reverse, and
+        after one that changes shapes the first step would fail far from the cause. Groups
+        carry ``param_names`` and ``algorithm``; every name must sit in the same group, at the
+        same place, with the same algorithm, and every saved tensor must have its parameter's
+        shape. Without names (an older or hand-made checkpoint) positions are trusted, with a
+        warning.
+        """
+        saved_groups = state_dict.get("param_groups", [])
+        if len(saved_groups) == len(self.param_groups) and all("param_names" in g for g in saved_groups):
+            self._check_routing(saved_groups, state_dict.get("state", {}))
+        else:
+            named_now = all("param_names" in g for g in self.param_groups)
+            if named_now and not all("param_names" in g for g in saved_groups) and not Muon._warned_unnamed:
+                Muon._warned_unnamed = True  # once per process: every resume of such a run says the same
+                warnings.warn(
+                    "Muon.load_state_dict: the checkpoint's param groups carry no param_names, so its state is "
+                    "matched to parameters by position only (as torch.optim does)",
+                    RuntimeWarning,
+                    stacklevel=2,
+                )
+            if len(saved_groups) != len(self.param_groups):
+                raise ValueError(
+                    f"Muon.load_state_dict: the checkpoint has {len(saved_groups)} param groups "
+                    f"({[g.get('name', g.get('algorithm')) for g in saved_groups]}), this optimizer "
+                    f"{len(self.param_groups)} ({[g.get('name', g['algorithm']) for g in self.param_groups]}): "
+                    "the routing changed since it was saved; resume with the rules it was saved with"
+                )
+        super().load_state_dict(state_dict)
+
+    def _check_routing(self, saved_groups: list[dict], saved_state: dict) -> None:
+        def where(groups: list[dict]) -> dict[str, tuple[int, int, str, str]]:
+            return {
+                name: (i, j, g.get("name", g.get("algorithm")), g.get("algorithm"))
+                for i, g in enumerate(groups)
+                for j, name in enumerate(g["param_names"])
+            }
+
+        then, now = where(saved_groups), where(self.param_groups)
+        for i, group in enumerate(self.param_groups):
+            saved = saved_groups[i]
+            names = group.get("param_names") or [None] * len(group["params"])
+            for j, (name, p) in enumerate(zip(names, group["params"])):
+                here = f"{name!r}" if name else f"parameter {j} of param group {i}"
+                if name is not None and then.get(name) != now[name]:
+                    before = then.get(name)
+                    was = "absent" if before is None else f"param group {before[0]} {before[2]!r} ({before[3]})"
+                    raise ValueError(
+                        f"Muon.load_state_dict: {here} was routed to {was} when the checkpoint was saved, and "
+                        f"to param group {i} {now[name][2]!r} ({now[name][3]}) now; its optimizer state would "
+                        "land on another parameter. Resume with the routing rules the checkpoint was saved with "
+                        "(or load only the model weights)"
+                    )
+                if j >= len(saved["params"]):
+                    continue
+                for key, value in saved_state.get(saved["params"][j], {}).items():
+                    if key in _PARAM_SHAPED and isinstance(value, Tensor) and tuple(value.shape) != tuple(p.shape):
+                        raise ValueError(
+                            f"Muon.load_state_dict: {here} has shape {tuple(p.shape)}, but the checkpoint's "
+                            f"{key!r} for it has shape {tuple(value.shape)}: the model or its routing changed "
+                            "since the checkpoint was saved"
+                        )
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
@@ -269,40 +356,113 @@ class Muon(Optimizer):
         return params, grads
 
     def _grads_finite(self, work: list) -> bool:
+        """True when the step may go on; False to skip it; raises for ``nonfinite="raise"``.
+
+        Every rank of a sharded run reaches the same answer: the sharding's ``remote_nonfinite``
+        is the agreed bit over every gradient any rank's step reads (see ``MuonSharding``).
+        """
         if self.nonfinite == "ignore":
             return True
-        grads = [g for _, _, gs in work for g in gs]
-        # DTensor gradients (FSDP2): each rank checks the shard it holds (an empty one has no
-        # max); the sharding's remote_nonfinite makes the ranks agree.
-        shard = getattr(self._sharding, "local_shard", None)
-        if shard is not None:
-            grads = [s for s in map(shard, grads) if s.numel()]
-        remote = self._sharding is not None and self._sharding.remote_nonfinite
-        if not grads and not remote:
-            return True
-        if not remote and all_finite(grads):
+        sharding = self._sharding
+        remote = sharding is not None and sharding.remote_nonfinite
+        verdict = self._take_precheck()
+        if verdict is not None:
+            local_ok, culprit = verdict
+        else:
+            grads = [g for _, _, gs in work for g in gs]
+            # DTensor gradients (FSDP2): each rank checks the shard it holds (an empty one has
+            # no max); the sharding's remote_nonfinite makes the ranks agree.
+            shard = getattr(sharding, "local_shard", None)
+            if shard is not None:
+                grads = [s for s in map(shard, grads) if s.numel()]
+            local_ok, culprit = (not grads or all_finite(grads)), None
+        if local_ok and not remote:
             return True
         if self.nonfinite == "skip":
             warnings.warn(
                 "Muon: a gradient holds NaN or inf; the step was skipped for all groups", RuntimeWarning, stacklevel=3
             )
             return False
-        if remote:
+        if not local_ok:
+            culprit = culprit or self.nonfinite_culprit()
             raise FloatingPointError(
-                "Muon: non-finite gradient on another rank (its error names the parameter); "
-                "pass nonfinite='skip' to skip such steps"
+                f"Muon: non-finite gradient in {culprit}; pass nonfinite='skip' to skip such steps"
             )
-        for i, (group, params, gs) in enumerate(work):
-            for p, g in zip(params, gs):
-                if not bool((g if shard is None else shard(g)).isfinite().all()):
-                    j = next(k for k, q in enumerate(group["params"]) if q is p)
-                    name = group.get("param_names", [None] * (j + 1))[j]
-                    label = f" {name!r}" if name else ""
-                    raise FloatingPointError(
-                        f"Muon: non-finite gradient in param group {i} ({group.get('name', group['algorithm'])!r}), "
-                        f"parameter {j}{label} of shape {tuple(p.shape)}; pass nonfinite='skip' to skip such steps"
-                    )
-        return True  # pragma: no cover - the max said non-finite, one tensor must be
+        where = getattr(sharding, "nonfinite_culprit", None)
+        raise FloatingPointError(
+            "Muon: non-finite gradient on another rank"
+            + (f", in {where}" if where else " (its error names the parameter)")
+            + "; pass nonfinite='skip' to skip such steps"
+        )
+
+    def _local_grads(self) -> list[tuple[int, int, Tensor]]:
+        """(group index, index in group, this rank's gradient) for every gradient a step here reads."""
+        shard = getattr(self._sharding, "local_shard", None)
+        out = []
+        for i, group in enumerate(self.param_groups):
+            for j, p in enumerate(group["params"]):
+                if p.grad is None or p.numel() == 0:
+                    continue
+                if self._sharding is not None and not self._sharding.owns(p):
+                    continue
+                g = p.grad if shard is None else shard(p.grad)
+                if g.numel():
+                    out.append((i, j, g))
+        return out
+
+    def param_label(self, i: int, j: int) -> str:
+        """``param group i ('name'), parameter j 'param name' of shape (...)``, for messages."""
+        group = self.param_groups[i]
+        names = group.get("param_names") or ()
+        name = names[j] if j < len(names) else None
+        label = f" {name!r}" if name else ""
+        shape = tuple(group["params"][j].shape)
+        return f"param group {i} ({group.get('name', group['algorithm'])!r}), parameter {j}{label} of shape {shape}"
+
+    def nonfinite_culprit_index(self) -> tuple[int, int] | None:
+        """(group, index) of the first parameter whose gradient on this rank holds NaN or inf, or None."""
+        for i, j, g in self._local_grads():
+            if not bool(g.isfinite().all()):
+                return i, j
+        return None
+
+    def nonfinite_culprit(self) -> str | None:
+        """``param_label`` of ``nonfinite_culprit_index()``, or None."""
+        index = self.nonfinite_culprit_index()
+        return None if index is None else self.param_label(*index)
+
+    def precheck_gradients(self) -> bool:
+        """Check the gradients now, before something (clipping) rewrites them; the next step reuses the answer.
+
+        Clipping by norm spreads one NaN to every gradient; called before it, the step's error
+        names the parameter whose gradient went bad. Costs the one pass the step would make
+        (the step then skips its own), and keeps its answer only for these same gradients.
+        Returns True when every gradient is finite.
+        """
+        if self.nonfinite == "ignore":
+            return True
+        entries = self._local_grads()
+        ok = not entries or all_finite([g for _, _, g in entries])
+        self.record_precheck(ok, None if ok else self.nonfinite_culprit())
+        return ok
+
+    def record_precheck(self, ok: bool, culprit: str | None = None) -> None:
+        """Remember that the current gradients are (not) all finite; a sharding that checked them calls it."""
+        # Scaling by a finite factor (what clipping does) keeps finite values finite and
+        # non-finite ones non-finite, so the answer holds until these gradients are replaced.
+        self._precheck = (tuple((id(g), g.data_ptr()) for _, _, g in self._local_grads()), ok, culprit)
+
+    _precheck = None
+    _warned_unnamed = False
+
+    def _take_precheck(self) -> tuple[bool, str | None] | None:
+        precheck, self._precheck = self._precheck, None
+        if precheck is None:
+            return None
+        key, ok, culprit = precheck
+        if key != tuple((id(g), g.data_ptr()) for _, _, g in self._local_grads()):
+            return None  # other gradients since: check again
+        return ok, culprit
 
     def _muon_step(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
         # Four stages, each one place to extend: momentum, orthogonalize (a sharding may

@@ -23,6 +23,7 @@ must all match (a name glob AND a module type).
 
 from __future__ import annotations
 
+import difflib
 import fnmatch
 import functools
 import importlib
@@ -69,6 +70,21 @@ def _call(fn: Callable | str, *args: Any) -> bool:
     return bool((_import(fn) if isinstance(fn, str) else fn)(*args))
 
 
+def _check_option_names(rule: str, algorithm: str, options: dict[str, Any]) -> None:
+    """A typo in an option would become a group key nobody reads: refuse it, with the closest valid name."""
+    from lightning_muon.muon import Muon  # the optimizer owns its hyperparameter names
+
+    valid = Muon.option_names(algorithm)
+    for key in options:
+        if key not in valid:
+            close = difflib.get_close_matches(str(key), sorted(valid), n=1)
+            hint = f"; did you mean {close[0]!r}?" if close else ""
+            raise ValueError(
+                f"Rule {rule!r}: option {key!r} is not a hyperparameter of {algorithm!r} groups{hint} "
+                f"(valid: {sorted(valid)})"
+            )
+
+
 @dataclass(frozen=True, kw_only=True)
 class Rule:
     """One routing rule: which parameters it matches and where they go."""
@@ -112,6 +128,7 @@ class Rule:
             raise ValueError(f"Rule {self.name!r}: options must be a dict, got {self.options!r}")
         if "params" in self.options or "algorithm" in self.options:
             raise ValueError(f"Rule {self.name!r}: options may not set 'params' or 'algorithm'")
+        _check_option_names(self.name, self.algorithm, self.options)
         # Dotted paths stay strings (checkpoints keep plain data); they are imported on use.
         _check_importable(self.predicate, "predicate", self.name)
         _check_importable(self.named_predicate, "named_predicate", self.name)

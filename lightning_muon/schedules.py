@@ -18,6 +18,7 @@ own momentum over ``steps``.
 from __future__ import annotations
 
 import math
+import warnings
 from dataclasses import asdict, dataclass
 from typing import Any
 
@@ -176,7 +177,47 @@ class MuonScheduler(LRScheduler):
         return state
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """Resume at the checkpoint's step, on this run's schedule, base lrs and momenta.
+
+        torch would restore the checkpoint's schedule and lrs, silently overriding the config
+        the run was started with: a run resumed with a longer ``max_steps`` would keep the old
+        horizon and train at lr 0 past it, and a changed lr would be ignored. Here the step
+        count comes from the checkpoint and everything else from this run (the horizon from
+        ``total_steps`` or the trainer's new estimate); a warning names both when they differ.
+        Other group hyperparameters (weight decay, betas) are the optimizer's and come from
+        the checkpoint.
+        """
         state = dict(state_dict)
-        self.schedule = LRSchedule(**state.pop("schedule"))
-        self.momentum_warmup = MomentumWarmup(**state.pop("momentum_warmup"))
-        self.__dict__.update(state)
+        saved = {
+            "schedule": LRSchedule(**state.pop("schedule")),
+            "momentum_warmup": MomentumWarmup(**state.pop("momentum_warmup")),
+            "base_lrs": state.pop("base_lrs", self.base_lrs),
+            "base_momenta": state.pop("base_momenta", self.base_momenta),
+        }
+        state.pop("_last_lr", None)
+        self.__dict__.update(state)  # the step counters
+        ours = {key: getattr(self, key) for key in saved}
+        changed = [key for key in saved if _differs(saved[key], ours[key])]
+        if changed:
+            lines = "; ".join(f"{key}: checkpoint {saved[key]}, now {ours[key]}" for key in changed)
+            warnings.warn(
+                f"MuonScheduler: resuming at step {self.last_epoch} with this run's settings, not the "
+                f"checkpoint's ({lines})",
+                UserWarning,
+                stacklevel=2,
+            )
+        factor = lr_multiplier(self.last_epoch, self.schedule)
+        for group, base, target in zip(self.optimizer.param_groups, self.base_lrs, self.base_momenta):
+            group["initial_lr"] = base
+            group["lr"] = base * factor
+            if target is not None:
+                group["momentum"] = momentum_at(self.last_epoch, target, self.momentum_warmup)
+        self._last_lr = [group["lr"] for group in self.optimizer.param_groups]
+
+
+def _differs(a: Any, b: Any) -> bool:
+    if isinstance(a, (list, tuple)) and isinstance(b, (list, tuple)):
+        return len(a) != len(b) or any(_differs(x, y) for x, y in zip(a, b))
+    if isinstance(a, float) or isinstance(b, float):
+        return a is None or b is None or not math.isclose(a, b, rel_tol=1e-12, abs_tol=0.0)
+    return a != b

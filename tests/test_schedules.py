@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import io
 import math
+import warnings
 
 import pytest
 import torch
@@ -187,13 +188,16 @@ def test_scheduler_state_dict_round_trip_through_weights_only_load():
     buffer.seek(0)
     loaded = torch.load(buffer, weights_only=True)
 
-    # A fresh pair built with another schedule takes the saved one back.
+    # A fresh pair built with the same settings takes the saved step back, with no warning
+    # (another schedule would win over the saved one: see the resume tests below).
     twin = _model()
     twin.load_state_dict(model.state_dict())
     twin_optimizer = _optimizer(twin)
-    twin_scheduler = MuonScheduler(twin_optimizer, LRSchedule.create("constant"), MomentumWarmup())
+    twin_scheduler = MuonScheduler(twin_optimizer, schedule, warmup)
     twin_optimizer.load_state_dict(loaded["optimizer"])
-    twin_scheduler.load_state_dict(loaded["scheduler"])
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        twin_scheduler.load_state_dict(loaded["scheduler"])
     assert twin_scheduler.schedule == schedule
     assert twin_scheduler.momentum_warmup == warmup
     assert twin_scheduler.last_epoch == 3
@@ -261,3 +265,52 @@ def test_create_rejects_bad_arguments(kwargs, match):
 def test_momentum_warmup_rejects_bad_arguments(kwargs, match):
     with pytest.raises(ValueError, match=match):
         MomentumWarmup(**kwargs)
+
+
+def _saved_after(steps: int, schedule: LRSchedule) -> dict:
+    model = _model()
+    optimizer = _optimizer(model)
+    scheduler = MuonScheduler(optimizer, schedule)
+    for _ in range(steps):
+        _step(model, optimizer)
+        scheduler.step()
+    return {"scheduler": scheduler.state_dict(), "optimizer": optimizer.state_dict()}
+
+
+def test_resume_with_a_longer_run_takes_the_new_horizon_and_says_so():
+    """A finished 30-step cosine run resumed for 40 steps continues on the 40-step cosine, never at lr 0."""
+    saved = _saved_after(30, LRSchedule.create("cosine", total_steps=30))
+    assert all(g["lr"] == 0.0 for g in saved["optimizer"]["param_groups"])  # the old run ended at 0
+    optimizer = _optimizer(_model())
+    longer = LRSchedule.create("cosine", total_steps=40)
+    scheduler = MuonScheduler(optimizer, longer)
+    optimizer.load_state_dict(saved["optimizer"])
+    with pytest.warns(
+        UserWarning, match=r"resuming at step 30 with this run's settings.*total_steps=30.*total_steps=40"
+    ):
+        scheduler.load_state_dict(saved["scheduler"])
+    expected = lr_multiplier(30, longer)
+    assert expected > 0
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx(
+        [0.003 * expected, 0.02 * expected, 0.003 * expected]
+    )
+    scheduler.step()
+    assert scheduler.last_epoch == 31 and all(g["lr"] > 0 for g in optimizer.param_groups)
+
+
+def test_resume_with_another_lr_applies_it_and_says_so():
+    """hparams say one lr, the checkpoint another: training runs at the run's own, with a warning naming both."""
+    schedule = LRSchedule.create("constant")
+    saved = _saved_after(3, schedule)
+    model = _model()
+    optimizer = _optimizer(model)
+    for group in optimizer.param_groups:
+        group["lr"] *= 2.5  # this run's config: 2.5x the lrs the checkpoint was trained with
+    scheduler = MuonScheduler(optimizer, schedule)
+    optimizer.load_state_dict(saved["optimizer"])  # torch puts the checkpoint's lrs back ...
+    with pytest.warns(
+        UserWarning, match=r"base_lrs: checkpoint \[0\.003, 0\.02, 0\.003\], now \[0\.0075, 0\.05, 0\.0075\]"
+    ):
+        scheduler.load_state_dict(saved["scheduler"])
+    # ... and the scheduler sets this run's again.
+    assert [g["lr"] for g in optimizer.param_groups] == pytest.approx([0.0075, 0.05, 0.0075])

@@ -119,6 +119,7 @@ class MuonFSDPSharding:
         )
         self._index = {id(p): i for i, p in enumerate(self.params)}
         self._warned_observer = False
+        self.nonfinite_culprit: str | None = None  # the first bad parameter, as the step's error names it
         optimizer._sharding = self
 
     def _check_param(self, p: Tensor, where: str, batched: bool) -> None:
@@ -160,9 +161,12 @@ class MuonFSDPSharding:
         an all-to-all that another left. Ranks that disagree on the matrices with gradients
         (FSDP2 gives a gradient on all ranks or on none) raise here instead of hanging.
         """
+        self.nonfinite_culprit = None
         grads = [self.local_shard(p.grad) for g in self.optimizer.param_groups for p in g["params"]]
         grads = [g for g in grads if g is not None and g.numel()]
         local_ok = all_finite(grads)
+        if local_ok:
+            self.optimizer.record_precheck(True)  # the step need not read the gradients again
         if self.world_size == 1:
             return False
         with_grad = tuple(i for i, p in enumerate(self.params) if p.grad is not None)
@@ -177,7 +181,18 @@ class MuonFSDPSharding:
                 "MuonFSDPSharding: ranks disagree on which Muon matrices have gradients "
                 f"(this rank: {len(with_grad)} of {len(self.params)}); every rank must run the same modules"
             )
-        return local_ok and bool(flags[0].item())
+        if not flags[0].item():
+            return False
+        # Some rank is bad: one more all-reduce (only now) finds the first bad parameter in
+        # optimizer order, so that every rank's error names it.
+        groups = self.optimizer.param_groups
+        flat = [(i, j) for i, g in enumerate(groups) for j in range(len(g["params"]))]
+        culprit = None if local_ok else self.optimizer.nonfinite_culprit_index()
+        where = torch.tensor([flat.index(culprit) if culprit is not None else len(flat)], device=flags.device)
+        all_reduce_(where, dist.ReduceOp.MIN, self.group, self.stats, name="nonfinite_where")
+        index = int(where.item())
+        self.nonfinite_culprit = self.optimizer.param_label(*flat[index]) if index < len(flat) else None
+        return local_ok
 
     def gather_parameters(self) -> None:
         """Nothing to gather: every rank updated its own shards."""

@@ -50,6 +50,7 @@ class MuonSharding:
         )
         self._owner = {id(p): r for p, r in zip(self.params, self.plan.owners)}
         self.remote_nonfinite = False
+        self.nonfinite_culprit: str | None = None  # the first bad parameter, as the step's error names it
         # Flat send/receive buffers kept across steps: a fresh multi-megabyte tensor per step
         # costs more in page faults than copying into it (measured 7x on CPU).
         self._buffers: dict[str, Tensor] = {}
@@ -79,7 +80,9 @@ class MuonSharding:
         alike instead of leaving one rank waiting in a collective.
         """
         self.remote_nonfinite = False
+        self.nonfinite_culprit = None
         if self.mode != "reduce_scatter" or not self.params:
+            self._agree_on_finiteness(self._replicated_grads())
             return
         by_owner = self._by_owner()
         dtype = self.params[0].dtype
@@ -112,12 +115,51 @@ class MuonSharding:
             if owned is not mine:
                 for p in owned:
                     p.grad = None
-        # One pass over the flat buffer (absent gradients are zeros there).
-        local_ok = all_finite([grads])
-        ok = torch.tensor([1.0 if local_ok else 0.0], device=grads.device)  # NCCL: no CPU tensors
-        all_reduce_(ok, dist.ReduceOp.MIN, self.group, self.stats, name="nonfinite_flag")
-        if local_ok and ok.item() == 0.0:
+        # The owned Muon gradients in one pass over the flat buffer (absent ones are zeros
+        # there), with every other gradient this rank's step reads.
+        self._agree_on_finiteness([grads, *self._replicated_grads()])
+
+    def _replicated_grads(self) -> list[Tensor]:
+        """Gradients of this optimizer's other parameters (AdamW, Lion; every Muon one in all_gather mode)."""
+        muon = set() if self.mode == "all_gather" else {id(p) for p in self.params}
+        return [
+            p.grad
+            for g in self.optimizer.param_groups
+            for p in g["params"]
+            if p.grad is not None and p.grad.numel() and id(p) not in muon
+        ]
+
+    def _agree_on_finiteness(self, grads: list[Tensor]) -> None:
+        """One bit over every gradient any rank's step reads, agreed by one all-reduce (MIN).
+
+        A rank that sees a NaN in any gradient, Muon or not (a per-rank hook, custom clipping),
+        makes every rank skip or raise, so none waits alone in ``gather_parameters``. Where a
+        rank is bad, one more all-reduce (only then) finds the first bad parameter in optimizer
+        order, so every rank's error can name it.
+        """
+        if self.optimizer.nonfinite == "ignore":
+            return  # no check asked for: no collective, no host-device sync
+        local_ok = all_finite(grads) if grads else True
+        device = self.params[0].device if self.params else torch.device("cpu")
+        ok = torch.tensor([1.0 if local_ok else 0.0], device=device)  # NCCL: no CPU tensors
+        if self.world_size > 1:
+            all_reduce_(ok, dist.ReduceOp.MIN, self.group, self.stats, name="nonfinite_flag")
+        if ok.item() == 1.0:
+            self.optimizer.record_precheck(True)  # the step need not read the gradients again
+            return
+        flat = [(i, j) for i, g in enumerate(self.optimizer.param_groups) for j in range(len(g["params"]))]
+        first = len(flat)
+        if not local_ok:
+            culprit = self.optimizer.nonfinite_culprit_index()
+            first = flat.index(culprit) if culprit is not None else first
+        where = torch.tensor([float(first)], device=device)
+        if self.world_size > 1:
+            all_reduce_(where, dist.ReduceOp.MIN, self.group, self.stats, name="nonfinite_where")
+        index = int(where.item())
+        self.nonfinite_culprit = self.optimizer.param_label(*flat[index]) if index < len(flat) else None
+        if local_ok:
             self.remote_nonfinite = True
+            # GradScaler looks for infs in gradients: every rank must see one to skip alike.
             p = self.params[0]
             p.grad = torch.full_like(p, float("nan"))
 

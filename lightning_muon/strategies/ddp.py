@@ -16,6 +16,7 @@ from torch.optim import Optimizer
 from lightning_muon.distributed.comm import all_reduce_
 from lightning_muon.distributed.sharded import MODES, MuonSharding
 from lightning_muon.muon import Muon
+from lightning_muon.strategies._checkpoint import explained_reads
 
 __all__ = ["MuonDDPStrategy"]
 
@@ -120,6 +121,11 @@ class MuonDDPStrategy(DDPStrategy):
             if entries:
                 state["state"][index[id(p)]] = entries
         return state
+
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's loading; a damaged or truncated file raises ``CheckpointReadError`` naming it."""
+        with explained_reads(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, *args, **kwargs)
 
     def load_optimizer_state_dict(self, checkpoint: Any) -> None:
         super().load_optimizer_state_dict(checkpoint)

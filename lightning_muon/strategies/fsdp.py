@@ -17,6 +17,7 @@ from typing_extensions import override
 
 from lightning_muon.distributed.fsdp import FSDP_MODES, MuonFSDPSharding
 from lightning_muon.muon import Muon
+from lightning_muon.strategies._checkpoint import explained_reads
 
 __all__ = ["MuonFSDPStrategy", "default_fully_shard"]
 
@@ -204,6 +205,12 @@ class MuonFSDPStrategy(ModelParallelStrategy):
         for optimizer in map(_inner, self.optimizers):
             if isinstance(optimizer, Muon) and any(g["algorithm"] == "muon" for g in optimizer.param_groups):
                 MuonFSDPSharding(optimizer, mode=self.muon_mode)
+
+    @override
+    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
+        """Lightning's loading (a DCP folder or a file); a damaged one raises ``CheckpointReadError`` naming it."""
+        with explained_reads(checkpoint_path):
+            return super().load_checkpoint(checkpoint_path, *args, **kwargs)
 
     @classmethod
     @override
