@@ -13,7 +13,7 @@ import torch
 from lightning_muon.functional import ADJUST_LR_ALIASES, SECOND_MOMENTS
 from lightning_muon.muon import Muon
 from lightning_muon.newton_schulz import COEFFICIENTS
-from lightning_muon.routing import DEFAULT_HEAD_NAMES, Rule
+from lightning_muon.routing import DEFAULT_HEAD_NAMES, TRANSPOSED_MODULES, Rule
 from lightning_muon.schedules import FALLOFFS, LRSchedule, MomentumWarmup, steps_of
 
 __all__ = ["MEGATRON_COEFFICIENTS", "QKV_NAMES", "MuonConfig"]
@@ -153,6 +153,8 @@ class MuonConfig:
     """Attribute names that mark a Linear as the output head."""
     head_by_position: bool = True
     """Without a named head, treat the last nn.Linear as the head."""
+    input_layer: bool = False
+    """Send the first convolution or Linear weight (a convnet's stem) to AdamW."""
     # --- schedule ------------------------------------------------------------------------
     falloff: str = "constant"
     """lr falloff after warmup and stable: constant, linear, cosine, wsd, inverse_sqrt."""
@@ -289,9 +291,20 @@ class MuonConfig:
         if not self.split_qkv:
             return []
         options = {"split_sizes": list(self.qkv_split_shapes)}
+        transposed = {**options, "transposed": True}
         return [
             Rule(
                 name="split_qkv", algorithm="muon", group="muon_qkv", attributes="is_qkv", min_ndim=2, options=options
+            ),
+            # GPT-2's c_attn is a Conv1D, stored (fan_in, fan_out): Q | K | V lie along dim 1.
+            Rule(
+                name="qkv_names_transposed",
+                algorithm="muon",
+                group="muon_qkv_transposed",
+                regex=QKV_NAMES,
+                module_types=TRANSPOSED_MODULES,
+                min_ndim=2,
+                options=transposed,
             ),
             Rule(name="qkv_names", algorithm="muon", group="muon_qkv", regex=QKV_NAMES, min_ndim=2, options=options),
         ]
@@ -308,6 +321,7 @@ class MuonConfig:
             max_aspect_ratio=self.max_aspect_ratio,
             head_names=self.head_names,
             head_by_position=self.head_by_position,
+            input_layer=self.input_layer,
             scalar_algorithm=self.scalar_optimizer,
         )
 

@@ -58,10 +58,16 @@ ADJUST_LR_MODES = {
 ADJUST_LR_ALIASES = {"shape_scaling": "original", "unit_rms_norm": "spectral_norm"}
 
 
-def adjust_lr_ratio(mode: str, rows: int, cols: int, extra_scale_factor: float = 1.0) -> float:
-    """The factor multiplying the Muon lr for a rows x cols matrix."""
+def adjust_lr_ratio(
+    mode: str, rows: int, cols: int, extra_scale_factor: float = 1.0, transposed: bool = False
+) -> float:
+    """The factor multiplying the Muon lr for a rows x cols matrix (fan_out x fan_in).
+
+    ``transposed``: the matrix is stored (fan_in, fan_out), so fan_out is ``cols``.
+    """
     mode = ADJUST_LR_ALIASES.get(mode, mode)
-    return ADJUST_LR_MODES[mode](rows, cols) * extra_scale_factor
+    fan_out, fan_in = (cols, rows) if transposed else (rows, cols)
+    return ADJUST_LR_MODES[mode](fan_out, fan_in) * extra_scale_factor
 
 
 def all_finite(tensors: Sequence[Tensor]) -> bool:
@@ -76,7 +82,9 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
     return not extremes or bool(torch.cat(extremes).isfinite().all())
 
 
-def matrix_views(t: Tensor, split_sizes: Sequence[int] | None = None, batched: bool = False) -> list[Tensor]:
+def matrix_views(
+    t: Tensor, split_sizes: Sequence[int] | None = None, batched: bool = False, transposed: bool = False
+) -> list[Tensor]:
     """The matrices Muon orthogonalizes in a contiguous tensor (views, except grouped splits).
 
     - ``batched``: a (..., rows, cols) tensor is one batch of matrices (MoE experts).
@@ -86,19 +94,30 @@ def matrix_views(t: Tensor, split_sizes: Sequence[int] | None = None, batched: b
       alike (Megatron's fused QKV: per query group ``[q | k | v]``), and piece ``i`` is the
       ``(groups * split_sizes[i], cols)`` matrix of the ``i``-th block of every group: a
       copy, since those rows are not evenly spaced. ``matrix_slots`` gives writable views.
+    - ``transposed``: a 2-D weight stored as (fan_in, fan_out) (transformers' ``Conv1D``, the
+      transpose of ``nn.Linear``): the output axis is dim 1, so ``split_sizes`` cut columns,
+      and piece ``i`` of a grouped split is the ``(rows, groups * split_sizes[i])`` matrix.
+      The matrices keep the stored layout (the polar factor of a transpose is the transpose
+      of the polar factor); only the split axis and the lr scale (``adjust_lr_ratio``) read
+      the orientation.
     """
-    slots = matrix_slots(t, split_sizes, batched)
+    slots = matrix_slots(t, split_sizes, batched, transposed)
     if batched or slots[0].ndim == 2:
         return slots
+    if transposed:
+        return [s.reshape(s.shape[0], -1) for s in slots]
     return [s.reshape(-1, s.shape[-1]) for s in slots]
 
 
-def matrix_slots(t: Tensor, split_sizes: Sequence[int] | None = None, batched: bool = False) -> list[Tensor]:
+def matrix_slots(
+    t: Tensor, split_sizes: Sequence[int] | None = None, batched: bool = False, transposed: bool = False
+) -> list[Tensor]:
     """Writable views of a contiguous tensor, one per matrix of ``matrix_views``.
 
     Each slot holds its matrix's elements in the matrix's row order: the matrix itself,
-    or for a grouped split a (groups, split_sizes[i], cols) strided view, so that
-    ``slot.copy_(matrix.view(slot.shape))`` writes a matrix back.
+    or for a grouped split a (groups, split_sizes[i], cols) strided view (transposed: a
+    (rows, groups, split_sizes[i]) one), so that ``slot.copy_(matrix.view(slot.shape))``
+    writes a matrix back.
     """
     if batched:
         return [t.view(-1, *t.shape[-2:])]
@@ -106,6 +125,11 @@ def matrix_slots(t: Tensor, split_sizes: Sequence[int] | None = None, batched: b
     if not split_sizes:
         return [flat]
     sizes = list(split_sizes)
+    if transposed:  # the output axis is dim 1: cut columns
+        groups = flat.shape[1] // sum(sizes)
+        if groups == 1:
+            return list(flat.split(sizes, dim=1))
+        return list(flat.view(flat.shape[0], groups, sum(sizes)).split(sizes, dim=2))  # (rows, groups, size_i)
     groups = flat.shape[0] // sum(sizes)
     if groups == 1:
         return list(flat.split(sizes, dim=0))
@@ -146,12 +170,13 @@ def muon_orthogonalize(
     batched: bool,
     ns_method: str = "standard",
     keep_work_dtype: bool = False,
+    transposed: bool = False,
 ) -> list[list[Tensor]]:
     """Orthogonalize every update's matrices; returns, per update, its list of pieces.
 
     ``keep_work_dtype``: leave the pieces in Newton-Schulz's dtype (see ``orthogonalize_many``).
     """
-    pieces = [matrix_views(u.contiguous(), split_sizes, batched) for u in updates]
+    pieces = [matrix_views(u.contiguous(), split_sizes, batched, transposed) for u in updates]
     flat = [m for ms in pieces for m in ms]
     ortho = iter(orthogonalize_many(flat, ns_steps, ns_coefficients, ns_dtype, ns_method, keep_work_dtype))
     return [[next(ortho) for _ in ms] for ms in pieces]
@@ -236,6 +261,7 @@ def muon_apply_(
     split_sizes: Sequence[int] | None,
     batched: bool,
     weight_decay_form: str = "decoupled",
+    transposed: bool = False,
 ) -> None:
     """``W <- W - lr wd M * W - lr * adjust(shape) * O`` for every matrix piece.
 
@@ -256,8 +282,8 @@ def muon_apply_(
         if not p.is_contiguous():  # channels_last convs, transposed storage
             copied.append((p, p.contiguous()))
             p = copied[-1][1]
-        for w, o in zip(matrix_slots(p, split_sizes, batched), pieces):
-            scale = -lr * adjust_lr_ratio(adjust_lr, *o.shape[-2:], extra_scale_factor)
+        for w, o in zip(matrix_slots(p, split_sizes, batched, transposed), pieces):
+            scale = -lr * adjust_lr_ratio(adjust_lr, *o.shape[-2:], extra_scale_factor, transposed)
             o = o.reshape(w.shape)  # the piece laid out like its slot (a no-op but for grouped splits)
             if cautious:
                 w.mul_(torch.ones_like(w).masked_fill_(o * w >= 0, 1.0 - decay))

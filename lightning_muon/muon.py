@@ -171,6 +171,7 @@ class Muon(Optimizer):
                 ns_method=ns_method,
                 split_sizes=None,
                 batched=False,
+                transposed=False,
             ),
             "adamw": dict(lr=adamw_lr, betas=adamw_betas, eps=adamw_eps, weight_decay=adamw_weight_decay),
             "lion": dict(
@@ -198,13 +199,13 @@ class Muon(Optimizer):
         """The keys a param group of ``algorithm`` may set: its hyperparameters, and ``name``.
 
         Read off ``__init__``'s keywords: unprefixed ones are Muon's (plus ``split_sizes`` and
-        ``batched``), ``adamw_*`` and ``lion_*`` the other algorithms'.
+        ``batched`` and ``transposed``), ``adamw_*`` and ``lion_*`` the other algorithms'.
         """
         keywords = [k for k in inspect.signature(cls.__init__).parameters if k not in ("self", "params", "nonfinite")]
         prefixes = {a: f"{a}_" for a in ALGORITHMS if a != "muon"}
         if algorithm == "muon":
             own = {k for k in keywords if not any(k.startswith(p) for p in prefixes.values())}
-            own |= {"split_sizes", "batched"}
+            own |= {"split_sizes", "batched", "transposed"}
         elif algorithm in prefixes:
             own = {k.removeprefix(prefixes[algorithm]) for k in keywords if k.startswith(prefixes[algorithm])}
         else:
@@ -494,6 +495,7 @@ class Muon(Optimizer):
             split_sizes=group["split_sizes"],
             batched=group["batched"],
             weight_decay_form=group["weight_decay_form"],
+            transposed=group["transposed"],
         )
 
     def _second_moment(self, group: dict, params: list[Tensor], ortho: list[list[Tensor]]) -> list[list[Tensor]]:
@@ -523,6 +525,7 @@ class Muon(Optimizer):
             ns_method=group["ns_method"],
             split_sizes=group["split_sizes"],
             batched=group["batched"],
+            transposed=group["transposed"],
         )
         sharded = getattr(self._sharding, "orthogonalize", None)
         if sharded is not None:
@@ -664,7 +667,13 @@ def _validate_hparams(group: dict[str, Any], algorithm: str, where: str, prefix:
 
 
 def _validate_muon_params(group: dict[str, Any], params: list[Tensor], where: str) -> None:
-    split_sizes, batched = group["split_sizes"], group["batched"]
+    split_sizes, batched, transposed = group["split_sizes"], group["batched"], group["transposed"]
+    if not isinstance(transposed, bool):
+        raise ValueError(f"{where}: transposed must be a bool, got {transposed!r}")
+    if transposed and (batched or group["second_moment"] == "normuon"):
+        what = "batched=True" if batched else "second_moment='normuon' (per-row statistics)"
+        raise ValueError(f"{where}: transposed=True cannot be combined with {what} yet")
+    out_dim = 1 if transposed else 0
     if split_sizes is not None:
         if batched:
             raise ValueError(f"{where}: split_sizes and batched=True cannot be combined")
@@ -682,8 +691,12 @@ def _validate_muon_params(group: dict[str, Any], params: list[Tensor], where: st
             )
         if batched and p.ndim < 3:
             raise ValueError(f"{label}: batched=True needs a tensor with 3+ dims, got shape {tuple(p.shape)}")
-        if split_sizes is not None and p.shape[0] % sum(split_sizes) != 0:
+        if transposed and p.ndim != 2:
+            raise ValueError(f"{label}: transposed=True needs a 2-D (fan_in, fan_out) weight, got {tuple(p.shape)}")
+        if split_sizes is not None and p.shape[out_dim] % sum(split_sizes) != 0:
+            layout = "a (fan_in, fan_out) weight, transposed=True" if transposed else "a (fan_out, ...) weight"
             raise ValueError(
-                f"{label}: split_sizes {tuple(split_sizes)} sum to {sum(split_sizes)}, "
-                f"but dim 0 has size {p.shape[0]}, not a multiple of it"
+                f"{label}: split_sizes {tuple(split_sizes)} sum to {sum(split_sizes)}, but dim {out_dim} has size "
+                f"{p.shape[out_dim]}, not a multiple of it (dim {out_dim} is the output axis of {layout}, "
+                f"shape {tuple(p.shape)})"
             )

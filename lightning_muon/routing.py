@@ -12,9 +12,19 @@ then the default rules:
    ``module.get_output_embeddings()`` when the module has it, else a Linear whose
    attribute name is one of ``head_names``, else (``head_by_position``) the last
    ``nn.Linear`` registered in the module.
-4. ``aspect_ratio`` (only with ``max_aspect_ratio``): matrices whose long side is
+   If the module offers ``get_classifier()`` (timm), its classifier is the head too (a
+   Linear or a 1x1 convolution). With no head found, a warning says so.
+4. ``token_tables``: tensors whose (dim 0, rest) matrix view has a side of 1, like timm's
+   ``pos_embed`` (1, N, D) and ``cls_token`` (1, 1, D), and parameters named as position
+   or token tables (``TOKEN_TABLE_NAMES``) -> AdamW: Muon would orthogonalize a vector.
+5. ``input_layer`` (only with ``input_layer=True``): the first convolution or Linear
+   weight (a convnet's stem), as many Muon recipes keep it -> AdamW.
+6. ``aspect_ratio`` (only with ``max_aspect_ratio``): matrices whose long side is
    more than that many times the short side -> AdamW.
-5. ``hidden_matrices``: every other parameter (>= 2 dims) -> Muon (group ``muon``).
+7. ``hidden_matrices_transposed``: weights stored (fan_in, fan_out) by a module type in
+   ``TRANSPOSED_MODULES`` (transformers' ``Conv1D``, GPT-2) -> Muon with ``transposed=True``
+   (group ``muon_transposed``), so the lr scale reads fan_out and fan_in the right way round.
+8. ``hidden_matrices``: every other parameter (>= 2 dims) -> Muon (group ``muon``).
 
 Frozen parameters (``requires_grad=False``) are left out. Within a rule, several
 values of one matcher are alternatives (any glob may match); different matchers
@@ -35,10 +45,18 @@ from typing import Any
 
 from torch import Tensor, nn
 
-__all__ = ["DEFAULT_HEAD_NAMES", "ParamGroups", "Rule", "route_parameters"]
+__all__ = ["DEFAULT_HEAD_NAMES", "TOKEN_TABLE_NAMES", "TRANSPOSED_MODULES", "ParamGroups", "Rule", "route_parameters"]
 
 ALGORITHMS = ("muon", "adamw", "lion")
 DEFAULT_HEAD_NAMES = ("lm_head", "head", "output", "output_layer", "output_projection", "classifier", "fc_out")
+# Module class names whose 2-D ``weight`` is stored (fan_in, fan_out), the transpose of
+# nn.Linear: transformers' Conv1D (GPT-2, GPT-J style). Matched by name: no import needed.
+TRANSPOSED_MODULES = ("Conv1D",)
+# Parameter names of learned position and token tables (timm ViT, DeiT, BEiT, MAE).
+TOKEN_TABLE_NAMES = (
+    r"(^|\.)(pos_embed|pos_embedding|position_embeddings?|cls_token|dist_token|reg_token|register_tokens|mask_token)$"
+)
+_STEM_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 
 
 def _as_tuple(value: Any) -> tuple:
@@ -180,47 +198,91 @@ def _owner_matches(owner: nn.Module | None, types: tuple) -> bool:
 class ParamGroups(list):
     """The param-group dicts ``Muon`` takes, plus ``assignments`` and ``report()``."""
 
-    def __init__(self, groups: Iterable[dict[str, Any]], assignments: dict[str, str]) -> None:
+    def __init__(
+        self, groups: Iterable[dict[str, Any]], assignments: dict[str, str], notes: dict[str, str] | None = None
+    ) -> None:
         super().__init__(groups)
         self.assignments = assignments
         """Parameter name -> the rule that routed it."""
+        self.notes = notes or {}
+        """Rule name -> how it decided, shown beside it in the report (how the head was found)."""
 
     def report(self, max_examples: int = 3) -> str:
-        """A table: group, algorithm, tensors, elements, example parameter names."""
-        rows = [("group", "algorithm", "tensors", "elements", "examples")]
+        """A table, one row per (group, rule): the algorithm, the layout, tensors, elements and examples.
+
+        ``layout`` is ``out,in`` for weights stored like nn.Linear's, ``in,out(T)`` for those
+        stored the other way round (``transposed``), ``-`` for non-Muon groups. Only the
+        examples hold spaces, so the other columns split on whitespace.
+        """
+        rows = [("group", "algorithm", "rule", "layout", "tensors", "elements", "examples")]
         for g in self:
-            names = g.get("param_names", [])
-            examples = ", ".join(names[:max_examples]) + (", ..." if len(names) > max_examples else "")
-            rows.append(
-                (g["name"], g["algorithm"], str(len(g["params"])), f"{sum(p.numel() for p in g['params']):,}", examples)
-            )
-        widths = [max(len(r[i]) for r in rows) for i in range(4)]
-        lines = ["  ".join(r[i].ljust(widths[i]) for i in range(4)) + "  " + r[4] for r in rows]
+            by_rule: dict[str, list[int]] = {}
+            for j, name in enumerate(g.get("param_names", [])):
+                by_rule.setdefault(self.assignments.get(name, "?"), []).append(j)
+            if not by_rule:  # groups built without names
+                by_rule = {"?": list(range(len(g["params"])))}
+            layout = "-" if g["algorithm"] != "muon" else ("in,out(T)" if g.get("transposed") else "out,in")
+            for rule, idx in by_rule.items():
+                rule = f"{rule}:{self.notes[rule]}" if rule in self.notes else rule
+                names = [g["param_names"][j] for j in idx] if "param_names" in g else []
+                examples = ", ".join(names[:max_examples]) + (", ..." if len(names) > max_examples else "")
+                elements = sum(g["params"][j].numel() for j in idx)
+                rows.append((g["name"], g["algorithm"], rule, layout, str(len(idx)), f"{elements:,}", examples))
+        widths = [max(len(r[i]) for r in rows) for i in range(6)]
+        lines = ["  ".join(r[i].ljust(widths[i]) for i in range(6)) + "  " + r[6] for r in rows]
         return "Muon routing\n" + "\n".join(lines)
 
 
-def _head_params(module: nn.Module, head_names: tuple[str, ...], by_position: bool) -> set[int]:
-    for sub in module.modules():  # the model itself, or the first submodule that knows its head
-        get_head = getattr(sub, "get_output_embeddings", None)
-        head = get_head() if callable(get_head) else None
-        if isinstance(head, nn.Module):
-            return {id(p) for p in head.parameters()}
+def _head_params(module: nn.Module, head_names: tuple[str, ...], by_position: bool) -> tuple[set[int], str]:
+    """The head's parameter ids, and how it was found (shown in the routing report)."""
+    for method in ("get_output_embeddings", "get_classifier"):  # transformers, timm
+        for sub in module.modules():  # the model itself, or the first submodule that knows its head
+            get_head = getattr(sub, method, None)
+            try:
+                head = get_head() if callable(get_head) else None
+            except (TypeError, NotImplementedError):  # a method of that name with other arguments
+                head = None
+            if isinstance(head, nn.Module) and any(True for _ in head.parameters()):
+                return {id(p) for p in head.parameters()}, f"{method}()"
     linears = [(name, m) for name, m in module.named_modules() if isinstance(m, nn.Linear)]
     named = [m for name, m in linears if name.rsplit(".", 1)[-1] in head_names]
     if named:
-        return {id(p) for m in named for p in m.parameters()}
+        return {id(p) for m in named for p in m.parameters()}, "by_name"
     if by_position and linears:
-        return {id(p) for p in linears[-1][1].parameters()}
+        return {id(p) for p in linears[-1][1].parameters()}, "last_nn.Linear"
+    return set(), "none_found"
+
+
+def _stem_params(module: nn.Module) -> set[int]:
+    """The first convolution or Linear weight registered in ``module`` (a convnet's stem)."""
+    for m in module.modules():
+        if isinstance(m, _STEM_TYPES) and getattr(m, "weight", None) is not None:
+            return {id(m.weight)}
     return set()
 
 
-def _default_rules(max_aspect_ratio: float | None, embedding_ids: set[int], head_ids: set[int]) -> list[Rule]:
+def _is_token_table(p: Tensor, name: str) -> bool:
+    if p.ndim >= 2 and (p.shape[0] == 1 or p[0].numel() == 1):
+        return True  # its matrix view is a row or a column: a vector to Muon
+    return re.search(TOKEN_TABLE_NAMES, name) is not None
+
+
+def _default_rules(
+    max_aspect_ratio: float | None,
+    embedding_ids: set[int],
+    head_ids: set[int],
+    stem_ids: set[int] | None,
+    transposed_ids: set[int],
+) -> list[Rule]:
     rules = [
         # Vectors first, so that a head's bias goes without weight decay like every other bias.
         Rule(name="vectors", algorithm="adamw", group="adamw_no_decay", max_ndim=1, options={"weight_decay": 0.0}),
         Rule(name="embedding", algorithm="adamw", group="adamw", predicate=lambda p: id(p) in embedding_ids),
         Rule(name="output_head", algorithm="adamw", group="adamw", predicate=lambda p: id(p) in head_ids),
+        Rule(name="token_tables", algorithm="adamw", group="adamw", named_predicate=_is_token_table),
     ]
+    if stem_ids is not None:
+        rules.append(Rule(name="input_layer", algorithm="adamw", group="adamw", predicate=lambda p: id(p) in stem_ids))
     if max_aspect_ratio is not None:
         rules.append(
             Rule(
@@ -230,6 +292,15 @@ def _default_rules(max_aspect_ratio: float | None, embedding_ids: set[int], head
                 predicate=lambda p: max(p.shape[0], p[0].numel()) > max_aspect_ratio * min(p.shape[0], p[0].numel()),
             )
         )
+    rules.append(
+        Rule(
+            name="hidden_matrices_transposed",
+            algorithm="muon",
+            group="muon_transposed",
+            predicate=lambda p: id(p) in transposed_ids,
+            options={"transposed": True},
+        )
+    )
     rules.append(Rule(name="hidden_matrices", algorithm="muon", group="muon", min_ndim=2))
     return rules
 
@@ -243,6 +314,7 @@ def route_parameters(
     head_names: Iterable[str] = DEFAULT_HEAD_NAMES,
     head_by_position: bool = True,
     scalar_algorithm: str = "adamw",
+    input_layer: bool = False,
 ) -> ParamGroups:
     """Split ``module``'s trainable parameters into named param groups by ordered rules.
 
@@ -254,6 +326,7 @@ def route_parameters(
         head_names: attribute names that mark a Linear as the output head.
         head_by_position: with no named head, treat the last ``nn.Linear`` as the head.
         scalar_algorithm: ``"adamw"`` or ``"lion"`` for the default rules' non-Muon groups.
+        input_layer: send the first convolution or Linear weight (the stem) to AdamW.
 
     Returns:
         ``ParamGroups``: dicts with ``params``, ``param_names``, ``algorithm``, ``name`` and the
@@ -270,8 +343,26 @@ def route_parameters(
     user_rules = [r if isinstance(r, Rule) else Rule(**r) for r in (rules or [])]
     owners = {id(p): m for m in module.modules() for p in m.parameters(recurse=False)}
     embedding_ids = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    head_ids = _head_params(module, tuple(head_names), head_by_position)
-    defaults = _default_rules(max_aspect_ratio, embedding_ids, head_ids) if default_rules else []
+    head_ids, head_how = _head_params(module, tuple(head_names), head_by_position)
+    transposed_ids = {
+        id(m.weight)
+        for m in module.modules()
+        if type(m).__name__ in TRANSPOSED_MODULES
+        and isinstance(getattr(m, "weight", None), Tensor)
+        and m.weight.ndim == 2
+    }
+    stem_ids = _stem_params(module) if input_layer else None
+    defaults = []
+    if default_rules:
+        defaults = _default_rules(max_aspect_ratio, embedding_ids, head_ids, stem_ids, transposed_ids)
+        if not head_ids and any(p.ndim >= 2 for p in module.parameters()):
+            warnings.warn(
+                "route_parameters: no output head found (no get_output_embeddings(), get_classifier(), Linear named "
+                f"one of {tuple(head_names)}, or last nn.Linear); every matrix goes to Muon. Name the head with "
+                "head_names or route it with a Rule",
+                UserWarning,
+                stacklevel=2,
+            )
     if scalar_algorithm == "lion":
         defaults = [_with_algorithm(r, "lion") if r.algorithm == "adamw" else r for r in defaults]
     user_names = {id(r) for r in user_rules}
@@ -315,7 +406,7 @@ def route_parameters(
         assignments[name] = rule.name
     if not groups:
         raise ValueError("route_parameters: the module has no trainable parameters")
-    return ParamGroups(groups.values(), assignments)
+    return ParamGroups(groups.values(), assignments, {"output_head": head_how})
 
 
 def _with_algorithm(rule: Rule, algorithm: str) -> Rule:

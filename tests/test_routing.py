@@ -495,18 +495,26 @@ def test_report_lists_groups_algorithms_counts_and_examples():
     report = groups.report()
     lines = report.splitlines()
     assert lines[0] == "Muon routing"
-    assert lines[1].split() == ["group", "algorithm", "tensors", "elements", "examples"]
-    rows = {line.split()[0]: line for line in lines[2:]}
+    assert lines[1].split() == ["group", "algorithm", "rule", "layout", "tensors", "elements", "examples"]
+    rows: dict[str, list[str]] = {}
+    for line in lines[2:]:  # one row per group and rule
+        rows.setdefault(line.split()[0], []).append(line)
     assert sorted(rows) == ["adamw", "adamw_no_decay", "muon", "qkv"]
     for g in groups:
-        cells = rows[g["name"]].split()
-        assert cells[1] == g["algorithm"]
-        assert int(cells[2]) == len(g["params"])
-        assert int(cells[3].replace(",", "")) == sum(p.numel() for p in g["params"])
-    # Up to three example names, then "..." when there are more.
-    assert rows["qkv"].endswith("blocks.0.attn.qkv.weight, blocks.1.attn.qkv.weight")
-    assert rows["adamw"].endswith("tok_emb.weight, pos_emb.weight, lm_head.weight")
-    assert rows["muon"].endswith("blocks.0.attn.proj.weight, blocks.0.mlp.fc1.weight, blocks.0.mlp.fc2.weight, ...")
+        cells = [row.split() for row in rows[g["name"]]]
+        assert all(c[1] == g["algorithm"] for c in cells)
+        assert all(c[3] == ("out,in" if g["algorithm"] == "muon" else "-") for c in cells)
+        assert sum(int(c[4]) for c in cells) == len(g["params"])
+        assert sum(int(c[5].replace(",", "")) for c in cells) == sum(p.numel() for p in g["params"])
+    # The rule that chose each parameter, with how the head was found; up to three example
+    # names, then "..." when there are more.
+    (qkv,) = rows["qkv"]
+    assert qkv.split()[2] == "qkv" and qkv.endswith("blocks.0.attn.qkv.weight, blocks.1.attn.qkv.weight")
+    embedding, head = rows["adamw"]
+    assert embedding.split()[2] == "embedding" and embedding.endswith("tok_emb.weight, pos_emb.weight")
+    assert head.split()[2] == "output_head:get_output_embeddings()" and head.endswith("lm_head.weight")
+    (muon,) = rows["muon"]
+    assert muon.endswith("blocks.0.attn.proj.weight, blocks.0.mlp.fc1.weight, blocks.0.mlp.fc2.weight, ...")
     assert "lm_head.weight" in groups.report(max_examples=5)
 
 

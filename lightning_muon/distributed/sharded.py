@@ -43,7 +43,8 @@ class MuonSharding:
         groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
         self.params: list[Tensor] = [p for g in groups for p in g["params"]]
         self.plan = plan_ownership(
-            [p.shape for p in self.params],
+            # A transposed (fan_in, fan_out) weight splits along dim 1: plan on its transpose.
+            [p.shape[::-1] if g.get("transposed") else p.shape for g in groups for p in g["params"]],
             self.world_size,
             split_sizes=[g["split_sizes"] for g in groups for _ in g["params"]],
             batched=[g["batched"] for g in groups for _ in g["params"]],

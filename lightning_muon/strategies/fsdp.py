@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import warnings
 from datetime import timedelta
 from typing import Any
 
@@ -17,6 +18,7 @@ from typing_extensions import override
 
 from lightning_muon.distributed.fsdp import FSDP_MODES, MuonFSDPSharding
 from lightning_muon.muon import Muon
+from lightning_muon.routing import TRANSPOSED_MODULES
 from lightning_muon.strategies._checkpoint import explained_reads
 
 __all__ = ["MuonFSDPStrategy", "default_fully_shard"]
@@ -33,16 +35,23 @@ def _is_sharded(module: nn.Module) -> bool:
     )
 
 
-def _holds_linear(module: nn.Module) -> bool:
-    return any(isinstance(m, nn.Linear) for m in module.modules())
+# Layers whose matrix weights make a block worth its own FSDP unit: nn.Linear, convolutions,
+# and module types known by class name (transformers' Conv1D, GPT-2's projections).
+_MATRIX_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
+
+
+def _holds_matrix_layer(module: nn.Module) -> bool:
+    return any(isinstance(m, _MATRIX_LAYERS) or type(m).__name__ in TRANSPOSED_MODULES for m in module.modules())
 
 
 def default_fully_shard(module: nn.Module, mesh: Any) -> list[str]:
     """Apply ``fully_shard`` the way ``MuonFSDPStrategy`` does for a module that did not; returns the units.
 
     1. Blocks: each element of an ``nn.ModuleList`` / ``nn.Sequential`` (at any depth) that
-       holds an ``nn.Linear`` becomes its own FSDP unit (transformer blocks; the Linear
-       layers of a Sequential MLP). Sharded blocks are not searched further.
+       holds a matrix layer (``nn.Linear``, a convolution, or a module type of
+       ``TRANSPOSED_MODULES`` such as GPT-2's ``Conv1D``) becomes its own FSDP unit
+       (transformer blocks; the layers of a Sequential MLP). Sharded blocks are not
+       searched further. A plan of one unit (the whole model gathered at once) warns.
     2. Roots: each direct child of ``module`` that holds parameters becomes an FSDP unit
        over what the blocks left (embeddings, norms, heads); a ``ModuleList`` child has
        no forward, so its elements are taken instead.
@@ -73,7 +82,7 @@ def default_fully_shard(module: nn.Module, mesh: Any) -> list[str]:
     def shard_blocks(parent: nn.Module, prefix: str) -> None:
         for name, child in parent.named_children():
             path = f"{prefix}{name}"
-            if isinstance(parent, (nn.ModuleList, nn.Sequential)) and _holds_linear(child):
+            if isinstance(parent, (nn.ModuleList, nn.Sequential)) and _holds_matrix_layer(child):
                 fully_shard(child, mesh=mesh)
                 units.append(path)
             else:
@@ -92,6 +101,14 @@ def default_fully_shard(module: nn.Module, mesh: Any) -> list[str]:
 
     shard_blocks(module, "")
     shard_roots(module, "")
+    if len(units) == 1:
+        warnings.warn(
+            f"MuonFSDPStrategy: the default sharding made a single FSDP unit ({units[0]!r}), so the whole model is "
+            "gathered at once; no nn.ModuleList / nn.Sequential of blocks holding matrix layers was found. Apply "
+            "fully_shard per block in the LightningModule's configure_model() to shard it finer",
+            UserWarning,
+            stacklevel=2,
+        )
     return units
 
 
