@@ -211,6 +211,7 @@ class SpectrumCollector:
 
     def _measure(self, target: Target, group: dict, p: Tensor, u: Tensor, pieces: list[Tensor]) -> list[MatrixSpectrum]:
         split_sizes, batched = group.get("split_sizes"), group.get("batched", False)
+        transposed = group.get("transposed", False)  # stored (fan_in, fan_out): GPT-2's Conv1D
         shapes = [o.shape for o in pieces]
 
         def views(t: Tensor | None) -> list[Tensor] | None:
@@ -218,7 +219,7 @@ class SpectrumCollector:
             # tensor is not a full local one (DTensor) or does not split like the pieces.
             if t is None or _is_dtensor(t) or t.shape != p.shape:
                 return None
-            vs = matrix_views(t.detach().contiguous(), split_sizes, batched)
+            vs = matrix_views(t.detach().contiguous(), split_sizes, batched, transposed)
             return vs if [v.shape for v in vs] == shapes else None
 
         weights = views(p)
@@ -232,7 +233,9 @@ class SpectrumCollector:
         for i, o in enumerate(pieces):
             o3 = o if o.ndim == 3 else o.unsqueeze(0)  # (B, r, c)
             rows, cols = o3.shape[-2:]
-            scale = lr * adjust_lr_ratio(group["adjust_lr"], rows, cols, group.get("extra_scale_factor", 1.0))
+            scale = lr * adjust_lr_ratio(
+                group["adjust_lr"], rows, cols, group.get("extra_scale_factor", 1.0), transposed
+            )
             weight = weights[i] if weights is not None else None
             momentum = momenta[i] if momenta is not None else None
             with _svd_threads(o3):
