@@ -184,6 +184,7 @@ class MuonCLI(LightningCLI):
             self.save_config_kwargs["input_configs"] = [os.fspath(path.absolute) for path in inputs if path]
 
     def _choose_data(self, config: Any) -> None:
+        """Sets ``config.data`` by the rules in the module docstring, with a note when the demo data is involved."""
         model_path = config.model.class_path if config.get("model") else None
         data_path = config.data.class_path if config.get("data") else None
         if _is_class(model_path, DEMO_MODEL):
