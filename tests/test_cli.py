@@ -10,6 +10,7 @@ from pathlib import Path
 
 import pytest
 import torch
+import yaml
 
 from lightning_muon import MuonConfig
 from lightning_muon.demo import CharGPTModule
@@ -37,14 +38,20 @@ TINY_CHARGPT = [
 ]
 
 
-def _fit(tmp_path: Path, config: str, *extra: str, pythonpath: Path | None = None) -> str:
+def _cli(cwd: Path, *args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
+    """``python -m lightning_muon *args`` run in ``cwd``, ``pythonpath`` put first on the path."""
     env = dict(os.environ)
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
-    args = [sys.executable, "-m", "lightning_muon", "fit", f"--config={ROOT / 'configs' / config}"]
-    args += [*TINY, *extra, f"--trainer.default_root_dir={tmp_path}"]
     # The timeout only guards against a hang; each run takes a few seconds.
-    proc = subprocess.run(args, cwd=tmp_path, env=env, capture_output=True, text=True, timeout=300)
+    return subprocess.run(
+        [sys.executable, "-m", "lightning_muon", *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=300
+    )
+
+
+def _fit(tmp_path: Path, config: str, *extra: str, pythonpath: Path | None = None) -> str:
+    args = ["fit", f"--config={ROOT / 'configs' / config}", *TINY, *extra, f"--trainer.default_root_dir={tmp_path}"]
+    proc = _cli(tmp_path, *args, pythonpath=pythonpath)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     return output
@@ -178,3 +185,80 @@ def test_cli_fits_a_users_module_by_class_path(tmp_path):
     assert hparams["n_embd"] == 24 and "n_layer" not in hparams
     assert (hparams["muon_config"]["lr"], hparams["muon_config"]["adjust_lr"]) == (0.05, "match_rms_adamw")
     assert checkpoint["state_dict"]["hidden.weight"].shape == (24, 24)
+
+
+# tests/cli_user_model.py: a model with its own float loaders, which byte text would crash.
+TESTS = ROOT / "tests"
+QUICK = ["--trainer.max_steps=2", "--trainer.limit_val_batches=0", "--trainer.enable_progress_bar=false"]
+
+
+def test_cli_readme_line_trains_a_users_model_on_its_own_loaders(tmp_path):
+    # The README's line: muon.yaml names the demo datamodule (for the demo model), which
+    # would win over the model's loaders; the CLI leaves it out and says so.
+    proc = _cli(
+        tmp_path,
+        "fit",
+        "--config",
+        str(ROOT / "configs" / "muon.yaml"),
+        "--model.class_path=cli_user_model.UserModel",
+        *QUICK,
+        pythonpath=TESTS,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "UserModel defines train_dataloader: not using the demo datamodule" in output
+    assert _routing_table(output)["muon"] == ("muon", 2)  # net.0 and net.2
+    saved = yaml.safe_load(next(tmp_path.rglob("config.yaml")).read_text())
+    assert saved["data"] is None and saved["model"]["class_path"] == "cli_user_model.UserModel"
+    assert saved["model"]["init_args"]["muon_config"]["lr"] == 0.02  # muon.yaml's optimizer settings are kept
+    assert "`Trainer.fit` stopped: `max_steps=2` reached." in output
+
+
+USER_CONFIG = """\
+# My run. These comments are mine; the CLI must not replace this file.
+trainer:
+  logger: false            # no logger: the log dir is the working directory
+  enable_checkpointing: false
+model:
+  class_path: cli_user_model.UserModel
+  init_args:
+    hidden: 12
+# no data: the model has its own loaders
+"""
+
+
+def test_cli_never_writes_over_its_input_config(tmp_path):
+    config = tmp_path / "config.yaml"
+    config.write_bytes(USER_CONFIG.encode())
+    proc = _cli(tmp_path, "fit", "--config", "config.yaml", *QUICK, pythonpath=TESTS)
+    output = proc.stdout + proc.stderr
+    assert config.read_bytes() == USER_CONFIG.encode(), output[-4000:]
+    assert proc.returncode == 0, output[-4000:]
+    saved = tmp_path / "config_1.yaml"
+    assert f"The run's config: {saved}" in output
+    assert yaml.safe_load(saved.read_text())["model"]["init_args"]["hidden"] == 12
+    # A second run in the same directory replaces its own earlier save, not the input.
+    proc = _cli(tmp_path, "fit", "--config", "config.yaml", *QUICK, "--model.init_args.hidden=10", pythonpath=TESTS)
+    assert proc.returncode == 0, (proc.stdout + proc.stderr)[-4000:]
+    assert config.read_bytes() == USER_CONFIG.encode()
+    assert yaml.safe_load(saved.read_text())["model"]["init_args"]["hidden"] == 10
+    assert sorted(p.name for p in tmp_path.glob("*.yaml")) == ["config.yaml", "config_1.yaml"]
+
+
+@pytest.mark.parametrize(
+    ("bad", "expect"),
+    [
+        (
+            "--model.init_args.muon_config.momentum=1.5",
+            "error: MuonConfig.momentum: Muon(): momentum must be a finite number in [0.0, 1.0), got 1.5",
+        ),
+        ("--model.init_args.learning_rate=0.1", "Option 'learning_rate' is not accepted"),
+    ],
+    ids=["bad_value", "typo"],
+)
+def test_cli_bad_input_is_reported_first_without_tracebacks(tmp_path, bad, expect):
+    proc = _cli(tmp_path, "fit", "--config", str(ROOT / "configs" / "muon.yaml"), *QUICK, bad)
+    lines = proc.stderr.splitlines()
+    assert proc.returncode == 2, proc.stderr[-4000:]
+    assert any(expect in line for line in lines[:3]), proc.stderr[-4000:]
+    assert "Traceback" not in proc.stderr and len(lines) < 25
