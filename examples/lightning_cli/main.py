@@ -14,6 +14,7 @@ from lightning.pytorch.cli import LightningCLI
 from torch import nn
 
 from lightning_muon import MuonConfig, MuonModuleMixin
+from lightning_muon.cli import MuonSaveConfigCallback
 from lightning_muon.digits import DigitsDataModule
 
 
@@ -41,7 +42,8 @@ class DigitsMLP(MuonModuleMixin, pl.LightningModule):
 
 
 def main(args: list[str] | None = None) -> LightningCLI:
-    return LightningCLI(DigitsMLP, DigitsDataModule, save_config_kwargs={"overwrite": True}, args=args)
+    # MuonSaveConfigCallback saves the run's config in its log dir and never over an input file.
+    return LightningCLI(DigitsMLP, DigitsDataModule, save_config_callback=MuonSaveConfigCallback, args=args)
 
 
 if __name__ == "__main__":
