@@ -118,7 +118,8 @@ class MuonConfig:
     scale_mode: str | None = None
     """Megatron's shape_scaling, spectral or unit_rms_norm (-> adjust_lr)."""
     split_qkv: bool = False
-    """Orthogonalize Q, K and V of fused QKV weights separately (needs qkv_split_shapes)."""
+    """Orthogonalize Q, K and V of fused QKV weights separately (needs qkv_split_shapes); also splits
+    nn.MultiheadAttention's in_proj_weight, whose layout is known, into its three parts."""
     qkv_split_shapes: tuple[int, ...] | None = None
     """Rows of Q, K, V per query group, e.g. (heads_per_group * head_dim, head_dim, head_dim)."""
     moment2_method: str | None = None
@@ -309,6 +310,20 @@ class MuonConfig:
             Rule(name="qkv_names", algorithm="muon", group="muon_qkv", regex=QKV_NAMES, min_ndim=2, options=options),
         ]
 
+    @staticmethod
+    def mha_rules() -> list[Rule]:
+        """nn.MultiheadAttention's in_proj_weight is Q | K | V of equal size along dim 0: three parts."""
+        return [
+            Rule(
+                name="mha_in_proj",
+                algorithm="muon",
+                group="muon_mha_in_proj",
+                names="*in_proj_weight",
+                module_types="MultiheadAttention",
+                options={"split_parts": 3},
+            )
+        ]
+
     def optimizer_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``Muon``."""
         return {name: getattr(self, name) for name in _OPTIMIZER_FIELDS}
@@ -316,7 +331,7 @@ class MuonConfig:
     def routing_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``route_parameters``."""
         return dict(
-            rules=[*self.rules, *self.qkv_rules()],
+            rules=[*self.rules, *(self.mha_rules() if self.split_qkv else ()), *self.qkv_rules()],
             default_rules=self.default_rules,
             max_aspect_ratio=self.max_aspect_ratio,
             head_names=self.head_names,

@@ -199,13 +199,13 @@ class Muon(Optimizer):
         """The keys a param group of ``algorithm`` may set: its hyperparameters, and ``name``.
 
         Read off ``__init__``'s keywords: unprefixed ones are Muon's (plus ``split_sizes`` and
-        ``batched`` and ``transposed``), ``adamw_*`` and ``lion_*`` the other algorithms'.
+        ``split_parts``, ``batched`` and ``transposed``), ``adamw_*`` and ``lion_*`` the other algorithms'.
         """
         keywords = [k for k in inspect.signature(cls.__init__).parameters if k not in ("self", "params", "nonfinite")]
         prefixes = {a: f"{a}_" for a in ALGORITHMS if a != "muon"}
         if algorithm == "muon":
             own = {k for k in keywords if not any(k.startswith(p) for p in prefixes.values())}
-            own |= {"split_sizes", "batched", "transposed"}
+            own |= {"split_sizes", "split_parts", "batched", "transposed"}
         elif algorithm in prefixes:
             own = {k.removeprefix(prefixes[algorithm]) for k in keywords if k.startswith(prefixes[algorithm])}
         else:
@@ -241,6 +241,7 @@ class Muon(Optimizer):
         _validate_hparams(group, algorithm, where=where)
         if algorithm == "muon":
             group["ns_dtype"] = _dtype_name(group["ns_dtype"])
+            _resolve_split_parts(group, params, where)
             _validate_muon_params(group, params, where)
         else:
             # A read-out of beta1 for loggers (LearningRateMonitor logs group["momentum"]);
@@ -664,6 +665,34 @@ def _validate_hparams(group: dict[str, Any], algorithm: str, where: str, prefix:
     group["betas"] = tuple(betas)
     if algorithm == "adamw":
         _check_number(group["eps"], f"{prefix}eps", where, 0.0, low_open=True)
+
+
+def _resolve_split_parts(group: dict[str, Any], params: list[Tensor], where: str) -> None:
+    """``split_parts=k``: ``k`` equal blocks along the output axis, turned into ``split_sizes``.
+
+    Per-head orthogonalization (a fused QKV of ``H`` heads: ``3 H`` parts; a ``q_proj``:
+    ``H`` parts) and ``nn.MultiheadAttention``'s ``in_proj_weight`` (Q, K, V: 3 parts)
+    without spelling the sizes. Every tensor of the group must have the same output size.
+    """
+    parts = group.pop("split_parts", None)
+    if parts is None:
+        return
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"{where}: split_parts must be a positive int, got {parts!r}")
+    if group.get("split_sizes") is not None:
+        raise ValueError(f"{where}: set split_parts or split_sizes, not both")
+    axis = 1 if group.get("transposed") else 0
+    sizes = {p.shape[axis] for p in params if p.ndim >= 2}
+    if len(sizes) > 1:
+        raise ValueError(f"{where}: split_parts={parts} needs one output size in the group, got {sorted(sizes)}")
+    (size,) = sizes or {parts}
+    if size % parts:
+        names = group.get("param_names", [])
+        raise ValueError(
+            f"{where}{f' ({names[0]!r})' if names else ''}: split_parts={parts} does not divide the output axis "
+            f"(dim {axis}, size {size})"
+        )
+    group["split_sizes"] = (size // parts,) * parts
 
 
 def _validate_muon_params(group: dict[str, Any], params: list[Tensor], where: str) -> None:

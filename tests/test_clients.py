@@ -163,6 +163,32 @@ def test_split_sizes_that_do_not_fit_the_output_axis_name_the_layout():
         Muon([group])
 
 
+def test_split_parts_orthogonalizes_each_head_along_the_output_axis():
+    """Per-head orthogonalization of GPT-2's c_attn: 3 x 4 heads of 4 columns each, checked by hand."""
+    conv, _ = _pair()
+    W = conv.h[0].c_attn.weight  # (D, 3D), 4 heads of D / 4 per Q, K and V
+    group = {"params": [("c_attn.weight", W)], "algorithm": "muon", "transposed": True, "split_parts": 12}
+    opt = Muon([group], lr=0.1, momentum=0.0, ns_dtype="float32", adjust_lr="none")
+    assert opt.param_groups[0]["split_sizes"] == (4,) * 12
+    before = W.detach().clone()
+    W.grad = torch.randn_like(W)
+    opt.step()
+    heads = [orthogonalize(W.grad[:, i * 4 : (i + 1) * 4], dtype="float32") for i in range(12)]
+    torch.testing.assert_close(W.detach(), before - 0.1 * torch.cat(heads, dim=1), rtol=0, atol=1e-6)
+    with pytest.raises(ValueError, match=r"split_parts=5 does not divide the output axis \(dim 1, size 48\)"):
+        Muon([{**group, "split_parts": 5}])
+
+
+def test_split_qkv_splits_multihead_attention_in_proj_into_q_k_v():
+    model = nn.ModuleDict({"attn": nn.MultiheadAttention(D, 4), "head": nn.Linear(D, 2)})
+    config = MuonConfig(split_qkv=True, qkv_split_shapes=(D, D, D), ns_dtype="float32")
+    groups = route_parameters(model, **config.routing_kwargs())
+    assert groups.assignments["attn.in_proj_weight"] == "mha_in_proj"
+    opt = Muon(groups, **config.optimizer_kwargs())
+    (group,) = [g for g in opt.param_groups if g["name"] == "muon_mha_in_proj"]
+    assert group["split_sizes"] == (D, D, D)
+
+
 # ------------------------------------------------------------- 7. timm-style tables and heads
 
 
