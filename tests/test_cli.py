@@ -58,16 +58,17 @@ def _fit(tmp_path: Path, config: str, *extra: str, pythonpath: Path | None = Non
 
 
 def _routing_table(output: str) -> dict[str, tuple[str, int]]:
-    """Group -> (algorithm, tensors) from the routing report the CLI prints."""
+    """Group -> (algorithm, tensors) from the routing report the CLI prints (one row per group and rule)."""
     lines = output.splitlines()
     start = lines.index("Muon routing")
-    assert lines[start + 1].split()[:4] == ["group", "algorithm", "tensors", "elements"]
-    table = {}
+    assert lines[start + 1].split()[:6] == ["group", "algorithm", "rule", "layout", "tensors", "elements"]
+    table: dict[str, tuple[str, int]] = {}
     for line in lines[start + 2 :]:
         cells = line.split()
-        if len(cells) < 4 or not cells[2].isdigit():
+        if len(cells) < 6 or not cells[4].isdigit():
             break
-        table[cells[0]] = (cells[1], int(cells[2]))
+        algorithm, tensors = table.get(cells[0], (cells[1], 0))
+        table[cells[0]] = (algorithm, tensors + int(cells[4]))
     return table
 
 
