@@ -13,12 +13,16 @@ last ``cooldown`` steps, then linear to ``min_lr_ratio``: warmup-stable-decay) a
 ``inverse_sqrt`` (``sqrt((W + S) / (s + 1))``, floored at ``min_lr_ratio``).
 Momentum warmup moves Muon's momentum linearly from ``start`` to each group's
 own momentum over ``steps``.
+
+Schedule-Free groups (``"adamw_schedulefree"``) take the warmup only: after it their
+multiplier stays 1 whatever the falloff, since Schedule-Free replaces the falloff by
+its weight averaging (and weights that average by the lr it is given).
 """
 
 from __future__ import annotations
 
 import math
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from torch.optim import Optimizer
@@ -141,6 +145,9 @@ def momentum_at(step: int, target: float, warmup: MomentumWarmup) -> float:
 class MuonScheduler(LRScheduler):
     """Drives every group's lr by one ``LRSchedule`` and Muon groups' momentum by a warmup.
 
+    Schedule-Free groups follow the schedule's warmup and then keep their base lr: no
+    stable phase or falloff reaches them.
+
     Its state (the step, base lrs and momenta, and the schedule itself) is made of
     plain numbers, so it survives ``torch.load(weights_only=True)`` in checkpoints.
     """
@@ -157,11 +164,14 @@ class MuonScheduler(LRScheduler):
         self.base_momenta = [
             g.get("momentum") if g.get("algorithm") == "muon" else None for g in optimizer.param_groups
         ]
+        self.warmup_only = [g.get("algorithm") == "adamw_schedulefree" for g in optimizer.param_groups]
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[float]:
         factor = lr_multiplier(self.last_epoch, self.schedule)
-        return [base * factor for base in self.base_lrs]
+        warmup = replace(self.schedule, falloff="constant", stable_steps=0)
+        warmup_factor = lr_multiplier(self.last_epoch, warmup)
+        return [base * (warmup_factor if only else factor) for base, only in zip(self.base_lrs, self.warmup_only)]
 
     def step(self, epoch: int | None = None) -> None:
         super().step(epoch)
