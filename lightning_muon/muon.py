@@ -78,13 +78,13 @@ class Muon(Optimizer):
     ``"adamw_schedulefree"`` groups are stepped by the ``schedulefree`` package's own
     ``AdamWScheduleFree`` (Defazio et al.; ``pip install lightning_muon[schedulefree]``),
     which keeps two sequences per parameter: ``z`` (the SGD-like iterate) and the average
-    ``x`` of the ``z`` seen so far, weighted by ``lr_max ** weight_lr_power``. The parameter
-    holds ``y = (1 - beta1) z + beta1 x`` in train mode, where gradients are taken, and ``x``
-    in eval mode. ``train()`` and ``eval()`` switch those groups (``step`` needs train mode;
-    evaluate and save in eval mode); the groups' counters and mode flags and the per-parameter
-    ``z`` and ``exp_avg_sq`` live in this optimizer's param groups and state, so
-    ``state_dict()`` resumes them exactly. As in ``schedulefree``, their step overwrites
-    the gradients it reads.
+    ``x`` of the ``z`` seen so far, step ``k`` weighted by ``(k + 1) ** r * lr_max **
+    weight_lr_power``. The parameter holds ``y = (1 - beta1) z + beta1 x`` in train mode,
+    where gradients are taken, and ``x`` in eval mode. ``train()`` and ``eval()`` switch
+    those groups (``step`` needs train mode; evaluate and save in eval mode); the groups'
+    counters and mode flags and the per-parameter ``z`` and ``exp_avg_sq`` live in this
+    optimizer's param groups and state, so ``state_dict()`` resumes them exactly. As in
+    ``schedulefree``, their step overwrites the gradients it reads.
 
     A flat list of tensors (or ``(name, tensor)`` pairs) is split by rule: tensors with
     two or more dims to a ``"muon"`` group, the rest to an ``"adamw"`` group. A dict
@@ -279,11 +279,11 @@ class Muon(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step over every group; ``closure`` re-evaluates the loss."""
+        self._check_train_mode()  # before the closure: its gradients would be taken at the averaged weights
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        self._check_train_mode()
         work = [(group, *self._collect(i, group)) for i, group in enumerate(self.param_groups)]
         if not self._grads_finite(work):
             return loss
