@@ -11,11 +11,15 @@ gradient clipping; see ``lightning_muon.experiment``):
    (target <= 0.70).
 4. Muon with the ``keller`` coefficients at the chosen lr and the same seeds, against
    Polar Express (the default), at the same budget.
+5. Muon + Schedule-Free AdamW (embeddings, head, vectors; lr ``adamw_lr``) with a
+   constant schedule (the same 5% warmup, no cooldown) at Muon's chosen lr and the same
+   seeds, against Muon + AdamW with wsd: a run that could stop at any step against one
+   that knows its length.
 
 Usage::
 
     python benchmarks/bench_quality.py                 # about 10-15 min on a 2-core CPU
-    python benchmarks/bench_quality.py --quick         # 2 tiny runs (smoke test)
+    python benchmarks/bench_quality.py --quick         # 4 tiny runs (smoke test)
     python benchmarks/bench_quality.py --steps 600 --out /tmp/quality.json
     python benchmarks/bench_quality.py --device cuda   # on a GPU
 
@@ -29,12 +33,27 @@ import json
 import statistics
 import sys
 import time
+from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
 import torch
 
 from lightning_muon.experiment import RunSpec, machine_name, steps_to_reach, train
+
+# The runs at the chosen lrs, by name; the optimizer is the name's first word.
+VARIANTS: dict[str, dict[str, str]] = {
+    "muon": {},
+    "adamw": {},
+    "muon_keller": {"ns_coefficients": "keller"},
+    "muon_schedulefree": {"scalar_optimizer": "adamw_schedulefree", "schedule": "constant"},
+}
+LABELS = {
+    "adamw": "AdamW",
+    "muon": "Muon, polar_express",
+    "muon_keller": "Muon, keller",
+    "muon_schedulefree": "Muon + SF-AdamW, constant",
+}
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_quality.json"
 MUON_LRS = (0.0025, 0.005, 0.01)
@@ -65,16 +84,8 @@ def run_benchmark(
 ) -> dict[str, Any]:
     log: list[dict[str, Any]] = []
 
-    def spec(optimizer: str, lr: float, seed: int, coefficients: str = "polar_express") -> RunSpec:
-        return RunSpec(
-            optimizer=optimizer,
-            lr=lr,
-            seed=seed,
-            steps=steps,
-            eval_every=eval_every,
-            ns_coefficients=coefficients,
-            **model,
-        )
+    def spec(optimizer: str, lr: float, seed: int, **variant: str) -> RunSpec:
+        return RunSpec(optimizer=optimizer, lr=lr, seed=seed, steps=steps, eval_every=eval_every, **variant, **model)
 
     print("1. lr sweep (seed 0)")
     sweep = {
@@ -84,23 +95,14 @@ def run_benchmark(
     best_lr = {name: min(losses, key=losses.get) for name, losses in sweep.items()}
     print(f"2. chosen lrs {best_lr}, seeds {list(seeds)}")
     by_seed: dict[str, list[dict[str, Any]]] = {}
-    for name, coefficients in (("muon", "polar_express"), ("adamw", "polar_express"), ("muon_keller", "keller")):
+    for name, variant in VARIANTS.items():
         optimizer = name.split("_")[0]
         runs = []
         for seed in seeds:
+            wanted = spec(optimizer, best_lr[optimizer], seed, **variant)
             # Seed 0 of the chosen lrs already ran in the sweep.
-            done = next(
-                (
-                    r
-                    for r in log
-                    if r["spec"]["optimizer"] == optimizer
-                    and r["spec"]["lr"] == best_lr[optimizer]
-                    and r["spec"]["seed"] == seed
-                    and (optimizer == "adamw" or r["spec"]["ns_coefficients"] == coefficients)
-                ),
-                None,
-            )
-            runs.append(done or _run(spec(optimizer, best_lr[optimizer], seed, coefficients), log, device))
+            done = next((r for r in log if r["spec"] == asdict(wanted)), None)
+            runs.append(done or _run(wanted, log, device))
         by_seed[name] = runs
     curves = {name: _mean_curve(runs) for name, runs in by_seed.items()}
     target = min(curves["adamw"][1])
@@ -127,7 +129,7 @@ def print_table(result: dict[str, Any], machine: str, budget: str) -> None:
     print(f"lr sweep, final val loss at seed 0: {json.dumps(result['sweep_final_val_loss'])}")
     print(f"target: AdamW's best mean val loss {result['target_val_loss']:.4f}\n")
     print(f"{'run':<26}{'lr':>8}{'final val (mean)':>18}{'seed spread':>13}{'steps to target':>17}")
-    for name, label in (("adamw", "AdamW"), ("muon", "Muon, polar_express"), ("muon_keller", "Muon, keller")):
+    for name, label in LABELS.items():
         lr = result["chosen_lr"][name.split("_")[0]]
         spread = max(seeds[name]) - min(seeds[name])
         steps = "never" if reach[name] is None else str(reach[name])
@@ -138,6 +140,11 @@ def print_table(result: dict[str, Any], machine: str, budget: str) -> None:
     print(f"\nMuon steps / AdamW steps to AdamW's best: {shown}  (target <= {STEP_RATIO_MAX}: {verdict})")
     gap = final["muon"] - final["muon_keller"]
     print(f"Polar Express - keller final val loss at the same budget: {gap:+.4f} (negative: Polar Express better)")
+    gap = final["muon_schedulefree"] - final["muon"]
+    print(
+        f"Muon + Schedule-Free AdamW (constant) - Muon + AdamW (wsd) final val loss: {gap:+.4f} "
+        "(negative: Schedule-Free better)"
+    )
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:

@@ -1,6 +1,6 @@
 """lightning_muon: train PyTorch Lightning models with the Muon optimizer."""
 
-from lightning_muon.callbacks import UpdateSpectrumMonitor
+from lightning_muon.callbacks import ScheduleFreeModeSwitch, UpdateSpectrumMonitor
 from lightning_muon.config import MuonConfig
 from lightning_muon.module import MuonModuleMixin, build_optimizers, build_schedulers, configure_muon_optimizers
 from lightning_muon.muon import Muon
@@ -20,6 +20,7 @@ __all__ = [
     "MuonScheduler",
     "ParamGroups",
     "Rule",
+    "ScheduleFreeModeSwitch",
     "UpdateSpectrumMonitor",
     "build_optimizers",
     "build_schedulers",

@@ -11,9 +11,9 @@ from typing import Any
 import torch
 
 from lightning_muon.functional import ADJUST_LR_ALIASES, SECOND_MOMENTS
-from lightning_muon.muon import Muon
+from lightning_muon.muon import SCHEDULE_FREE, Muon, _schedulefree
 from lightning_muon.newton_schulz import COEFFICIENTS
-from lightning_muon.routing import DEFAULT_HEAD_NAMES, TRANSPOSED_MODULES, Rule
+from lightning_muon.routing import DEFAULT_HEAD_NAMES, SCALAR_ALGORITHMS, TRANSPOSED_MODULES, Rule
 from lightning_muon.schedules import FALLOFFS, LRSchedule, MomentumWarmup, steps_of
 
 __all__ = ["MEGATRON_COEFFICIENTS", "QKV_NAMES", "MuonConfig"]
@@ -42,6 +42,13 @@ _OPTIMIZER_FIELDS = (
     "lion_lr",
     "lion_betas",
     "lion_weight_decay",
+    "adamw_schedulefree_lr",
+    "adamw_schedulefree_betas",
+    "adamw_schedulefree_eps",
+    "adamw_schedulefree_weight_decay",
+    "adamw_schedulefree_warmup_steps",
+    "adamw_schedulefree_r",
+    "adamw_schedulefree_weight_lr_power",
     "nonfinite",
 )
 
@@ -124,9 +131,9 @@ class MuonConfig:
     """Rows of Q, K, V per query group, e.g. (heads_per_group * head_dim, head_dim, head_dim)."""
     moment2_method: str | None = None
     """Megatron's adamuon or normuon (-> second_moment)."""
-    # --- AdamW / Lion groups -------------------------------------------------------------
+    # --- AdamW / Lion / Schedule-Free AdamW groups ----------------------------------------
     scalar_optimizer: str = "adamw"
-    """Algorithm for embeddings, head and vectors under the default rules: "adamw" or "lion"."""
+    """Algorithm for embeddings, head and vectors under the default rules: "adamw", "lion" or "adamw_schedulefree"."""
     adamw_lr: float = 3e-4
     """AdamW learning rate (peak); follows the same schedule as Muon's."""
     adamw_betas: tuple[float, float] = (0.9, 0.95)
@@ -141,6 +148,20 @@ class MuonConfig:
     """Lion (beta1, beta2)."""
     lion_weight_decay: float | None = None
     """Lion decoupled weight decay; None uses ``adamw_weight_decay``."""
+    adamw_schedulefree_lr: float | None = None
+    """Schedule-Free AdamW learning rate; None uses ``adamw_lr``. Warmup only, never a falloff."""
+    adamw_schedulefree_betas: tuple[float, float] = (0.9, 0.999)
+    """Schedule-Free AdamW (beta1, beta2); beta1 interpolates between the average and the iterate."""
+    adamw_schedulefree_eps: float = 1e-8
+    """Schedule-Free AdamW epsilon."""
+    adamw_schedulefree_weight_decay: float | None = None
+    """Schedule-Free AdamW weight decay (at y, times the lr); None uses ``adamw_weight_decay``."""
+    adamw_schedulefree_warmup_steps: int = 0
+    """schedulefree's own warmup inside the optimizer; leave 0 when ``warmup`` is set (it applies already)."""
+    adamw_schedulefree_r: float = 0.0
+    """Schedule-Free's polynomial weighting power of the average."""
+    adamw_schedulefree_weight_lr_power: float = 2.0
+    """Schedule-Free's averaging weight is ``lr_max ** weight_lr_power``."""
     nonfinite: str = "raise"
     """On a NaN/inf gradient: "raise", "skip" the step, or "ignore" (no check, no host-device sync)."""
     # --- routing -------------------------------------------------------------------------
@@ -179,11 +200,14 @@ class MuonConfig:
         self.head_names = tuple(self.head_names)
         self.adamw_betas = tuple(self.adamw_betas)
         self.lion_betas = tuple(self.lion_betas)
+        self.adamw_schedulefree_betas = tuple(self.adamw_schedulefree_betas)
         if self.ns_coefficients is not None and not isinstance(self.ns_coefficients, str):
             self.ns_coefficients = [tuple(abc) for abc in self.ns_coefficients]
         self._map_megatron_names()
-        if self.scalar_optimizer not in ("adamw", "lion"):
-            raise ValueError(f"MuonConfig.scalar_optimizer must be 'adamw' or 'lion', got {self.scalar_optimizer!r}")
+        if self.scalar_optimizer not in SCALAR_ALGORITHMS:
+            raise ValueError(
+                f"MuonConfig.scalar_optimizer must be one of {SCALAR_ALGORITHMS}, got {self.scalar_optimizer!r}"
+            )
         if self.falloff not in FALLOFFS:
             raise ValueError(f"MuonConfig.falloff must be one of {FALLOFFS}, got {self.falloff!r}")
         if self.max_aspect_ratio is not None and not self.max_aspect_ratio >= 1:
@@ -210,9 +234,22 @@ class MuonConfig:
                 raise ValueError(f"MuonConfig.{name}: {err}") from None
         try:
             Muon([torch.zeros(2, 2, requires_grad=True)], **self.optimizer_kwargs())
-            self.lr_schedule(total)
+            schedule = self.lr_schedule(total)
         except ValueError as err:
             raise ValueError(f"MuonConfig: {err}") from None
+        if self.uses_schedule_free:
+            _schedulefree()  # the optional extra: fail here, naming the install, not at fit time
+            if self.adamw_schedulefree_warmup_steps and schedule.warmup_steps:
+                raise ValueError(
+                    f"MuonConfig: warmup={self.warmup!r} and adamw_schedulefree_warmup_steps="
+                    f"{self.adamw_schedulefree_warmup_steps!r} would warm the schedule-free groups up twice "
+                    "(the scheduler's warmup applies to them too); set one of them to 0"
+                )
+
+    @property
+    def uses_schedule_free(self) -> bool:
+        """True when the routing can send parameters to ``"adamw_schedulefree"`` groups."""
+        return self.scalar_optimizer == SCHEDULE_FREE or any(r.algorithm == SCHEDULE_FREE for r in self.rules)
 
     def _map_megatron_names(self) -> None:
         """Carry Megatron-Core's names over to ours; a clash with a field set to another value raises.

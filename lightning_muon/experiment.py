@@ -5,8 +5,9 @@ Python standard library's source, see ``lightning_muon.data``); ``train`` runs i
 Lightning ``Trainer`` and returns the validation loss measured every ``eval_every`` steps.
 The two optimizers share everything but the optimizer: model, data order (``seed``),
 schedule (linear warmup, stable, linear cooldown) and gradient clipping. The Muon run
-routes hidden matrices to Muon and embeddings, head and vectors to AdamW; the AdamW run
-sends every parameter to AdamW.
+routes hidden matrices to Muon and embeddings, head and vectors to AdamW (or, with
+``scalar_optimizer="adamw_schedulefree"``, to Schedule-Free AdamW); the AdamW run sends
+every parameter to AdamW.
 """
 
 from __future__ import annotations
@@ -42,6 +43,8 @@ __all__ = [
 ]
 
 OPTIMIZERS = ("muon", "adamw")
+SCALAR_OPTIMIZERS = ("adamw", "adamw_schedulefree")
+SCHEDULES = ("wsd", "constant")
 # The best lr of each in benchmarks/bench_quality.py's sweep at the default model size
 # (seed 0, 300 steps): Muon (match_rms_adamw scaling) over 0.0025, 0.005, 0.01 (0.02 and 0.04
 # did worse in a first sweep), AdamW over 1e-3, 3e-3, 1e-2.
@@ -62,6 +65,10 @@ class RunSpec:
     """AdamW lr of the Muon run's embeddings, head and vectors."""
     ns_coefficients: str = "polar_express"
     """Newton-Schulz coefficient schedule of the Muon run."""
+    scalar_optimizer: str = "adamw"
+    """The Muon run's embeddings, head and vectors: ``"adamw"`` or ``"adamw_schedulefree"`` (lr ``adamw_lr``)."""
+    schedule: str = "wsd"
+    """``"wsd"`` (5% warmup, stable, linear cooldown over the last 30%) or ``"constant"`` (5% warmup, then flat)."""
     seed: int = 0
     """Model initialisation and training-window order."""
     eval_every: int = 25
@@ -85,17 +92,34 @@ class RunSpec:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.lr is not None and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive finite number or None, got {self.lr!r}")
+        if self.scalar_optimizer not in SCALAR_OPTIMIZERS:
+            raise ValueError(f"scalar_optimizer must be one of {SCALAR_OPTIMIZERS}, got {self.scalar_optimizer!r}")
+        if self.scalar_optimizer != "adamw" and self.optimizer != "muon":
+            raise ValueError(
+                f"scalar_optimizer={self.scalar_optimizer!r} needs optimizer='muon' (the AdamW run has no Muon)"
+            )
+        if self.schedule not in SCHEDULES:
+            raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
 
     @property
     def label(self) -> str:
         lr = self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
         extra = f", {self.ns_coefficients}" if self.optimizer == "muon" else ""
+        if self.scalar_optimizer != "adamw":
+            extra += f", {self.scalar_optimizer}"
+        if self.schedule != "wsd":
+            extra += f", {self.schedule}"
         return f"{self.optimizer} (lr {lr:g}{extra})"
 
 
 def muon_config_for(spec: RunSpec) -> MuonConfig:
-    """The optimizer and schedule of ``spec``: warmup 5%, stable, linear cooldown over the last 30%."""
+    """The optimizer and schedule of ``spec``: warmup 5%, stable, linear cooldown over the last 30% (``wsd``).
+
+    ``schedule="constant"`` keeps the warmup and drops the cooldown.
+    """
     schedule = dict(falloff="wsd", warmup=0.05, cooldown=0.3, total_steps=spec.steps)
+    if spec.schedule == "constant":
+        schedule = dict(falloff="constant", warmup=0.05, total_steps=spec.steps)
     if spec.optimizer == "muon":
         return MuonConfig(
             lr=DEFAULT_LR["muon"] if spec.lr is None else spec.lr,
@@ -104,6 +128,7 @@ def muon_config_for(spec: RunSpec) -> MuonConfig:
             ns_coefficients=spec.ns_coefficients,
             # Moonlight's scale: the Muon update has AdamW's RMS, so weight decay and lr transfer.
             adjust_lr="match_rms_adamw",
+            scalar_optimizer=spec.scalar_optimizer,
             adamw_lr=spec.adamw_lr,
             adamw_weight_decay=0.01,
             momentum_warmup_steps=min(100, spec.steps // 4),

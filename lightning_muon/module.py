@@ -17,8 +17,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
+from lightning_muon.callbacks.schedule_free import ScheduleFreeModeSwitch, save_in_eval_mode
 from lightning_muon.config import MuonConfig
-from lightning_muon.muon import Muon, _as_groups
+from lightning_muon.muon import ALGORITHMS, Muon, _as_groups
 from lightning_muon.routing import Rule, route_parameters
 from lightning_muon.schedules import MuonScheduler
 
@@ -79,6 +80,11 @@ class MuonModuleMixin:
     The config is read from, in order: ``self.muon_config`` (a ``MuonConfig`` or a dict of its
     fields), ``self.hparams["muon_config"]``, ``self.hparams["muon"]``; otherwise defaults.
 
+    When the config routes parameters to ``"adamw_schedulefree"``, ``configure_callbacks``
+    adds ``ScheduleFreeModeSwitch`` (validation, test and checkpoints at the averaged
+    weights, training at the training ones) and ``on_save_checkpoint`` does the same for
+    weights-only checkpoints; a subclass overriding either calls ``super()``.
+
     Example::
 
         class MyModel(MuonModuleMixin, L.LightningModule):
@@ -126,15 +132,33 @@ class MuonModuleMixin:
             inner.precheck_gradients()
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)  # type: ignore[misc]
 
+    def configure_callbacks(self) -> Any:
+        parent = getattr(super(), "configure_callbacks", None)
+        callbacks = list(parent() or []) if parent is not None else []
+        if self.resolve_muon_config().uses_schedule_free:
+            callbacks.append(ScheduleFreeModeSwitch())
+        return callbacks
+
+    def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
+        parent = getattr(super(), "on_save_checkpoint", None)
+        if parent is not None:
+            parent(checkpoint)
+        trainer = getattr(self, "_trainer", None)
+        # Full checkpoints went through ScheduleFreeModeSwitch; weights-only ones skip callbacks.
+        if trainer is not None and "optimizer_states" not in checkpoint:
+            save_in_eval_mode(trainer, self, checkpoint)  # type: ignore[arg-type]
+
 
 def build_optimizers(
     params: nn.Module | Iterable[Tensor] | Iterable[dict[str, Any]], config: MuonConfig | dict[str, Any] | None = None
 ) -> list[Muon]:
-    """One optimizer per algorithm (Muon first, then AdamW, then Lion), for manual optimization.
+    """One optimizer per algorithm (Muon, AdamW, Lion, Schedule-Free AdamW, in that order), for manual optimization.
 
     ``params`` is a module (routed by the config's rules), a flat parameter list (matrices to
     Muon, the rest to AdamW) or param-group dicts. Each optimizer is a ``Muon`` holding only
-    groups of one algorithm; an AdamW-only one steps exactly like ``torch.optim.AdamW``.
+    groups of one algorithm; an AdamW-only one steps exactly like ``torch.optim.AdamW``, a
+    Schedule-Free one like ``schedulefree.AdamWScheduleFree`` (call its ``train()`` before
+    stepping and ``eval()`` before evaluating or saving).
     """
     config = MuonConfig.from_any(config)
     if isinstance(params, nn.Module):
@@ -142,7 +166,7 @@ def build_optimizers(
     else:
         groups = _as_groups(params)
     optimizers = []
-    for algorithm in ("muon", "adamw", "lion"):
+    for algorithm in ALGORITHMS:
         chosen = [g for g in groups if g.get("algorithm", algorithm) == algorithm]
         if chosen:
             optimizers.append(Muon(chosen, **config.optimizer_kwargs()))

@@ -1,4 +1,4 @@
-"""``Muon``: a hybrid optimizer, Muon on hidden matrices and AdamW or Lion on the rest."""
+"""``Muon``: a hybrid optimizer, Muon on hidden matrices and AdamW, Lion or Schedule-Free AdamW on the rest."""
 
 from __future__ import annotations
 
@@ -30,9 +30,10 @@ from lightning_muon.functional import (
 )
 from lightning_muon.newton_schulz import check_ns_dtype, check_ns_method, resolve_coefficients
 
-__all__ = ["ALGORITHMS", "Muon"]
+__all__ = ["ALGORITHMS", "SCHEDULE_FREE", "Muon"]
 
-ALGORITHMS = ("muon", "adamw", "lion")
+SCHEDULE_FREE = "adamw_schedulefree"
+ALGORITHMS = ("muon", "adamw", "lion", SCHEDULE_FREE)
 _NONFINITE = ("raise", "skip", "ignore")
 # State entries shaped like their parameter (second moments may be reduced: not checked).
 _PARAM_SHAPED = ("momentum_buffer", "exp_avg", "exp_avg_sq")
@@ -45,9 +46,10 @@ _DTYPE_NAMES = {
 
 
 class Muon(Optimizer):
-    r"""Muon for hidden weight matrices, AdamW or Lion for everything else, in one optimizer.
+    r"""Muon for hidden weight matrices, AdamW, Lion or Schedule-Free AdamW for everything else, in one optimizer.
 
-    Each param group has an ``"algorithm"``: ``"muon"``, ``"adamw"`` or ``"lion"``. For a
+    Each param group has an ``"algorithm"``: ``"muon"``, ``"adamw"``, ``"lion"`` or
+    ``"adamw_schedulefree"``. For a
     Muon matrix ``W`` with gradient ``G`` (torch.optim.Muon's form, the defaults)::
 
         B <- mu B + (1 - mu) G                       # EMA momentum
@@ -76,6 +78,17 @@ class Muon(Optimizer):
     Chen et al. with decoupled weight decay. Every update scales with the group's lr,
     so a step at lr = 0 changes nothing.
 
+    ``"adamw_schedulefree"`` groups are stepped by the ``schedulefree`` package's own
+    ``AdamWScheduleFree`` (Defazio et al.; ``pip install lightning_muon[schedulefree]``),
+    which keeps two sequences per parameter: ``z`` (the SGD-like iterate) and the average
+    ``x`` of the ``z`` seen so far, step ``k`` weighted by ``(k + 1) ** r * lr_max **
+    weight_lr_power``. The parameter holds ``y = (1 - beta1) z + beta1 x`` in train mode,
+    where gradients are taken, and ``x`` in eval mode. ``train()`` and ``eval()`` switch
+    those groups (``step`` needs train mode; evaluate and save in eval mode); the groups'
+    counters and mode flags and the per-parameter ``z`` and ``exp_avg_sq`` live in this
+    optimizer's param groups and state, so ``state_dict()`` resumes them exactly. As in
+    ``schedulefree``, their step overwrites the gradients it reads.
+
     A flat list of tensors (or ``(name, tensor)`` pairs) is split by rule: tensors with
     two or more dims to a ``"muon"`` group, the rest to an ``"adamw"`` group. A dict
     without ``"algorithm"`` gets ``"muon"`` if all its tensors are matrices, ``"adamw"``
@@ -103,6 +116,12 @@ class Muon(Optimizer):
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW group defaults.
         lion_lr, lion_betas, lion_weight_decay: Lion group defaults (lr defaults to
             ``adamw_lr``; Lion usually wants 3-10x less).
+        adamw_schedulefree_lr, adamw_schedulefree_betas, adamw_schedulefree_eps,
+        adamw_schedulefree_weight_decay, adamw_schedulefree_warmup_steps,
+        adamw_schedulefree_r, adamw_schedulefree_weight_lr_power: Schedule-Free AdamW group
+            defaults, ``AdamWScheduleFree``'s keywords (lr and weight decay default to
+            ``adamw_lr`` and ``adamw_weight_decay``; betas to its (0.9, 0.999)). Its weight
+            decay is taken at ``y`` and scaled by the lr, as in ``schedulefree``.
         nonfinite: ``"raise"`` (default) on a NaN/inf gradient, naming the group and
             parameter, ``"skip"`` the whole step with a warning, or ``"ignore"``: no check, as
             in torch.optim (a NaN reaches the weights). The check reads every gradient once
@@ -114,6 +133,7 @@ class Muon(Optimizer):
         Liu et al., "Muon is Scalable for LLM Training", arXiv 2502.16982, 2025.
         Loshchilov & Hutter, "Decoupled Weight Decay Regularization", arXiv 1711.05101.
         Chen et al., "Symbolic Discovery of Optimization Algorithms", arXiv 2302.06675.
+        Defazio et al., "The Road Less Scheduled", arXiv 2405.15682, 2024.
         Li et al., "NorMuon: Making Muon more efficient and scalable", arXiv 2510.05491, 2025.
         Si, Zhang, Shen, "AdaMuon: Adaptive Muon Optimizer", arXiv 2507.11005, 2025.
         Chen et al., "Cautious Weight Decay", arXiv 2510.12402, 2025.
@@ -146,6 +166,13 @@ class Muon(Optimizer):
         lion_lr: float | None = None,
         lion_betas: tuple[float, float] = (0.9, 0.99),
         lion_weight_decay: float | None = None,
+        adamw_schedulefree_lr: float | None = None,
+        adamw_schedulefree_betas: tuple[float, float] = (0.9, 0.999),
+        adamw_schedulefree_eps: float = 1e-8,
+        adamw_schedulefree_weight_decay: float | None = None,
+        adamw_schedulefree_warmup_steps: int = 0,
+        adamw_schedulefree_r: float = 0.0,
+        adamw_schedulefree_weight_lr_power: float = 2.0,
         nonfinite: str = "raise",
     ) -> None:
         if nonfinite not in _NONFINITE:
@@ -179,6 +206,19 @@ class Muon(Optimizer):
                 betas=lion_betas,
                 weight_decay=adamw_weight_decay if lion_weight_decay is None else lion_weight_decay,
             ),
+            # The keywords of schedulefree.AdamWScheduleFree; its bookkeeping entries (step
+            # count, weight sum, mode flag) are added per group from the package itself.
+            SCHEDULE_FREE: dict(
+                lr=adamw_lr if adamw_schedulefree_lr is None else adamw_schedulefree_lr,
+                betas=adamw_schedulefree_betas,
+                eps=adamw_schedulefree_eps,
+                weight_decay=(
+                    adamw_weight_decay if adamw_schedulefree_weight_decay is None else adamw_schedulefree_weight_decay
+                ),
+                warmup_steps=adamw_schedulefree_warmup_steps,
+                r=adamw_schedulefree_r,
+                weight_lr_power=adamw_schedulefree_weight_lr_power,
+            ),
         }
         for algorithm, defaults in self._algorithm_defaults.items():
             # Errors name the keyword the user passed: adamw_eps, lion_betas, ...
@@ -193,24 +233,31 @@ class Muon(Optimizer):
     # rank that steps the matrices: ``updates`` are the momentum tensors fed to Newton-Schulz,
     # ``ortho`` per parameter its list of pieces, as they are applied (before the lr scale).
     _update_observer = None
+    # A schedulefree.AdamWScheduleFree run over this optimizer's schedule-free groups and state.
+    _schedule_free = None
 
     @classmethod
     def option_names(cls, algorithm: str) -> frozenset[str]:
         """The keys a param group of ``algorithm`` may set: its hyperparameters, and ``name``.
 
-        Read off ``__init__``'s keywords: unprefixed ones are Muon's (plus ``split_sizes`` and
-        ``split_parts``, ``batched`` and ``transposed``), ``adamw_*`` and ``lion_*`` the other algorithms'.
+        Read off ``__init__``'s keywords: each belongs to the algorithm whose ``<name>_``
+        prefix is the longest one it starts with (``adamw_schedulefree_lr`` is Schedule-Free's,
+        ``adamw_lr`` AdamW's), unprefixed ones to Muon, which also takes ``split_sizes``,
+        ``split_parts``, ``batched`` and ``transposed``.
         """
-        keywords = [k for k in inspect.signature(cls.__init__).parameters if k not in ("self", "params", "nonfinite")]
-        prefixes = {a: f"{a}_" for a in ALGORITHMS if a != "muon"}
-        if algorithm == "muon":
-            own = {k for k in keywords if not any(k.startswith(p) for p in prefixes.values())}
-            own |= {"split_sizes", "split_parts", "batched", "transposed"}
-        elif algorithm in prefixes:
-            own = {k.removeprefix(prefixes[algorithm]) for k in keywords if k.startswith(prefixes[algorithm])}
-        else:
+        if algorithm not in ALGORITHMS:
             raise ValueError(f"algorithm must be one of {ALGORITHMS}, got {algorithm!r}")
-        return frozenset(own | {"name", "param_names"})
+        prefixes = sorted((f"{a}_" for a in ALGORITHMS if a != "muon"), key=len, reverse=True)
+        own = {"name", "param_names"}
+        if algorithm == "muon":
+            own |= {"split_sizes", "split_parts", "batched", "transposed"}
+        for key in inspect.signature(cls.__init__).parameters:
+            if key in ("self", "params", "nonfinite"):
+                continue
+            prefix = next((p for p in prefixes if key.startswith(p)), None)
+            if (prefix is None and algorithm == "muon") or prefix == f"{algorithm}_":
+                own.add(key.removeprefix(prefix or ""))
+        return frozenset(own)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         group = dict(param_group)
@@ -243,6 +290,14 @@ class Muon(Optimizer):
             group["ns_dtype"] = _dtype_name(group["ns_dtype"])
             _resolve_split_parts(group, params, where)
             _validate_muon_params(group, params, where)
+        elif algorithm == SCHEDULE_FREE:
+            # What AdamWScheduleFree puts in a group of its own (step count k, weight_sum,
+            # lr_max, train_mode, ...), taken from the package rather than copied here.
+            knobs = {key: group[key] for key in self._algorithm_defaults[SCHEDULE_FREE]}
+            own = _schedulefree().AdamWScheduleFree([{"params": params}], **knobs).param_groups[0]
+            for key, value in own.items():
+                group.setdefault(key, value)
+            group["momentum"] = group["betas"][0]
         else:
             # A read-out of beta1 for loggers (LearningRateMonitor logs group["momentum"]);
             # the step reads ``betas`` and refreshes this copy.
@@ -318,6 +373,7 @@ class Muon(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step over every group; ``closure`` re-evaluates the loss."""
+        self._check_train_mode()  # before the closure: its gradients would be taken at the averaged weights
         loss = None
         if closure is not None:
             with torch.enable_grad():
@@ -334,11 +390,74 @@ class Muon(Optimizer):
                 self._muon_step(group, params, grads)
             elif algorithm == "adamw":
                 self._adamw_step(group, params, grads)
-            else:
+            elif algorithm == "lion":
                 self._lion_step(group, params, grads)
+        inner = self._schedule_free_optimizer()
+        if inner is not None:
+            # All schedule-free groups at once, as AdamWScheduleFree steps its own: a group
+            # without gradients still counts the step (its k and weight_sum advance).
+            inner.step()
         if sharding is not None:
             sharding.gather_parameters()  # every rank calls it, owner of matrices or not
         return loss
+
+    def train(self) -> None:
+        """Schedule-free groups to train mode: their parameters hold ``y``, where gradients are taken.
+
+        Call it before the training steps (``step`` refuses eval mode) and after every
+        ``eval()``. A no-op for the other groups and for groups already in train mode.
+        """
+        inner = self._schedule_free_optimizer()
+        if inner is not None:
+            inner.train()
+
+    def eval(self) -> None:
+        """Schedule-free groups to eval mode: their parameters hold the averaged weights ``x``.
+
+        Call it before validation, testing, inference and saving a checkpoint (the saved
+        weights are then the averaged ones and the saved groups say eval; ``train()`` after
+        loading brings back the training weights). A no-op for the other groups.
+        """
+        inner = self._schedule_free_optimizer()
+        if inner is not None:
+            inner.eval()
+
+    @property
+    def schedule_free_groups(self) -> list[dict[str, Any]]:
+        """The ``"adamw_schedulefree"`` param groups (empty when there are none)."""
+        return [g for g in self.param_groups if g["algorithm"] == SCHEDULE_FREE]
+
+    @property
+    def schedule_free_training(self) -> bool:
+        """True when a schedule-free group is in train mode."""
+        return any(g["train_mode"] for g in self.schedule_free_groups)
+
+    def _schedule_free_optimizer(self) -> Optimizer | None:
+        """``AdamWScheduleFree`` over this optimizer's schedule-free groups and state, or None.
+
+        The groups and the state dict are this optimizer's own objects (rebound on every
+        call, since ``load_state_dict`` replaces them), so what the package updates (step
+        counts, mode flags, ``z``, ``exp_avg_sq``) is what ``state_dict()`` saves.
+        """
+        groups = self.schedule_free_groups
+        if not groups:
+            return None
+        inner = self._schedule_free
+        if inner is None:
+            inner = self._schedule_free = _schedulefree().AdamWScheduleFree([{"params": g["params"]} for g in groups])
+        inner.param_groups = groups
+        inner.state = self.state
+        return inner
+
+    def _check_train_mode(self) -> None:
+        for i, group in enumerate(self.param_groups):
+            if group["algorithm"] == SCHEDULE_FREE and not group["train_mode"]:
+                raise RuntimeError(
+                    f"Muon: param group {i} ({group.get('name', SCHEDULE_FREE)!r}) is schedule-free and in eval mode "
+                    "(its parameters hold the averaged weights); call optimizer.train() before step() and "
+                    "optimizer.eval() before evaluating or saving (under Lightning, MuonModuleMixin adds "
+                    "ScheduleFreeModeSwitch, which does both)"
+                )
 
     def _collect(self, index: int, group: dict) -> tuple[list[Tensor], list[Tensor]]:
         params, grads = [], []
@@ -574,6 +693,18 @@ class Muon(Optimizer):
         )
 
 
+def _schedulefree() -> Any:
+    """The ``schedulefree`` package, or an ImportError that says how to install it."""
+    try:
+        import schedulefree
+    except ImportError as err:
+        raise ImportError(
+            f"algorithm {SCHEDULE_FREE!r} needs the schedulefree package (1.4.x), an optional extra: "
+            "pip install 'lightning_muon[schedulefree]'"
+        ) from err
+    return schedulefree
+
+
 def _as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
     """Param-group dicts from tensors, (name, tensor) pairs or dicts."""
     if isinstance(params, Tensor):
@@ -661,10 +792,18 @@ def _validate_hparams(group: dict[str, Any], algorithm: str, where: str, prefix:
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
         raise ValueError(f"{where}: {prefix}betas must be a pair (beta1, beta2), got {betas!r}")
     for k, beta in enumerate(betas):
-        _check_number(beta, f"{prefix}betas[{k}]", where, 0.0, 1.0, high_open=True)
+        # Schedule-Free's eval() divides by beta1: 0 is out for it.
+        low_open = k == 0 and algorithm == SCHEDULE_FREE
+        _check_number(beta, f"{prefix}betas[{k}]", where, 0.0, 1.0, low_open=low_open, high_open=True)
     group["betas"] = tuple(betas)
-    if algorithm == "adamw":
+    if algorithm in ("adamw", SCHEDULE_FREE):
         _check_number(group["eps"], f"{prefix}eps", where, 0.0, low_open=True)
+    if algorithm == SCHEDULE_FREE:
+        steps = group["warmup_steps"]
+        if isinstance(steps, bool) or not isinstance(steps, int) or steps < 0:
+            raise ValueError(f"{where}: {prefix}warmup_steps must be an int >= 0, got {steps!r}")
+        _check_number(group["r"], f"{prefix}r", where, 0.0)
+        _check_number(group["weight_lr_power"], f"{prefix}weight_lr_power", where, 0.0)
 
 
 def _resolve_split_parts(group: dict[str, Any], params: list[Tensor], where: str) -> None:
@@ -716,7 +855,7 @@ def _validate_muon_params(group: dict[str, Any], params: list[Tensor], where: st
         if p.ndim < 2:
             raise ValueError(
                 f"{label}: Muon needs a matrix, got a {p.ndim}-D tensor of shape {tuple(p.shape)}; "
-                "route it to 'adamw' or 'lion'"
+                "route it to 'adamw', 'lion' or 'adamw_schedulefree'"
             )
         if batched and p.ndim < 3:
             raise ValueError(f"{label}: batched=True needs a tensor with 3+ dims, got shape {tuple(p.shape)}")

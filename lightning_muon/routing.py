@@ -47,7 +47,8 @@ from torch import Tensor, nn
 
 __all__ = ["DEFAULT_HEAD_NAMES", "TOKEN_TABLE_NAMES", "TRANSPOSED_MODULES", "ParamGroups", "Rule", "route_parameters"]
 
-ALGORITHMS = ("muon", "adamw", "lion")
+ALGORITHMS = ("muon", "adamw", "lion", "adamw_schedulefree")
+SCALAR_ALGORITHMS = ("adamw", "lion", "adamw_schedulefree")
 DEFAULT_HEAD_NAMES = ("lm_head", "head", "output", "output_layer", "output_projection", "classifier", "fc_out")
 # Module class names whose 2-D ``weight`` is stored (fan_in, fan_out), the transpose of
 # nn.Linear: transformers' Conv1D (GPT-2, GPT-J style). Matched by name: no import needed.
@@ -110,7 +111,7 @@ class Rule:
     name: str
     """Rule name, shown in the routing report and in errors."""
     algorithm: str
-    """``"muon"``, ``"adamw"`` or ``"lion"``."""
+    """``"muon"``, ``"adamw"``, ``"lion"`` or ``"adamw_schedulefree"``."""
     names: str | tuple[str, ...] = ()
     """Glob patterns (``fnmatch``) on the full parameter name, e.g. ``"*.attn.qkv.weight"``."""
     regex: str | None = None
@@ -325,7 +326,8 @@ def route_parameters(
         max_aspect_ratio: send matrices more rectangular than this to AdamW.
         head_names: attribute names that mark a Linear as the output head.
         head_by_position: with no named head, treat the last ``nn.Linear`` as the head.
-        scalar_algorithm: ``"adamw"`` or ``"lion"`` for the default rules' non-Muon groups.
+        scalar_algorithm: ``"adamw"``, ``"lion"`` or ``"adamw_schedulefree"`` for the default
+            rules' non-Muon groups (their group names take the algorithm's name).
         input_layer: send the first convolution or Linear weight (the stem) to AdamW.
 
     Returns:
@@ -336,8 +338,8 @@ def route_parameters(
         ValueError: a bad rule; a parameter no rule matches; a user rule sending a
             1-D parameter to Muon; two rules sharing a group with different settings.
     """
-    if scalar_algorithm not in ("adamw", "lion"):
-        raise ValueError(f"scalar_algorithm must be 'adamw' or 'lion', got {scalar_algorithm!r}")
+    if scalar_algorithm not in SCALAR_ALGORITHMS:
+        raise ValueError(f"scalar_algorithm must be one of {SCALAR_ALGORITHMS}, got {scalar_algorithm!r}")
     if max_aspect_ratio is not None and not max_aspect_ratio >= 1:
         raise ValueError(f"max_aspect_ratio must be >= 1 or None, got {max_aspect_ratio!r}")
     user_rules = [r if isinstance(r, Rule) else Rule(**r) for r in (rules or [])]
@@ -363,8 +365,8 @@ def route_parameters(
                 UserWarning,
                 stacklevel=2,
             )
-    if scalar_algorithm == "lion":
-        defaults = [_with_algorithm(r, "lion") if r.algorithm == "adamw" else r for r in defaults]
+    if scalar_algorithm != "adamw":
+        defaults = [_with_algorithm(r, scalar_algorithm) if r.algorithm == "adamw" else r for r in defaults]
     user_names = {id(r) for r in user_rules}
 
     groups: dict[str, dict[str, Any]] = {}

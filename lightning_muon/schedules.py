@@ -13,13 +13,17 @@ last ``cooldown`` steps, then linear to ``min_lr_ratio``: warmup-stable-decay) a
 ``inverse_sqrt`` (``sqrt((W + S) / (s + 1))``, floored at ``min_lr_ratio``).
 Momentum warmup moves Muon's momentum linearly from ``start`` to each group's
 own momentum over ``steps``.
+
+Schedule-Free groups (``"adamw_schedulefree"``) take the warmup only: after it their
+multiplier stays 1 whatever the falloff, since Schedule-Free replaces the falloff by
+its weight averaging (and weights that average by the lr it is given).
 """
 
 from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, replace
 from typing import Any
 
 from torch.optim import Optimizer
@@ -142,6 +146,9 @@ def momentum_at(step: int, target: float, warmup: MomentumWarmup) -> float:
 class MuonScheduler(LRScheduler):
     """Drives every group's lr by one ``LRSchedule`` and Muon groups' momentum by a warmup.
 
+    Schedule-Free groups follow the schedule's warmup and then keep their base lr: no
+    stable phase or falloff reaches them.
+
     Its state (the step, base lrs and momenta, and the schedule itself) is made of
     plain numbers, so it survives ``torch.load(weights_only=True)`` in checkpoints.
     """
@@ -158,11 +165,14 @@ class MuonScheduler(LRScheduler):
         self.base_momenta = [
             g.get("momentum") if g.get("algorithm") == "muon" else None for g in optimizer.param_groups
         ]
+        self.warmup_only = [g.get("algorithm") == "adamw_schedulefree" for g in optimizer.param_groups]
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[float]:
         factor = lr_multiplier(self.last_epoch, self.schedule)
-        return [base * factor for base in self.base_lrs]
+        warmup = replace(self.schedule, falloff="constant", stable_steps=0)
+        warmup_factor = lr_multiplier(self.last_epoch, warmup)
+        return [base * (warmup_factor if only else factor) for base, only in zip(self.base_lrs, self.warmup_only)]
 
     def step(self, epoch: int | None = None) -> None:
         super().step(epoch)
@@ -195,6 +205,7 @@ class MuonScheduler(LRScheduler):
             "base_momenta": state.pop("base_momenta", self.base_momenta),
         }
         state.pop("_last_lr", None)
+        state.pop("warmup_only", None)  # which groups are Schedule-Free: this run's routing says
         self.__dict__.update(state)  # the step counters
         ours = {key: getattr(self, key) for key in saved}
         changed = [key for key in saved if _differs(saved[key], ours[key])]
@@ -206,10 +217,10 @@ class MuonScheduler(LRScheduler):
                 UserWarning,
                 stacklevel=2,
             )
-        factor = lr_multiplier(self.last_epoch, self.schedule)
-        for group, base, target in zip(self.optimizer.param_groups, self.base_lrs, self.base_momenta):
+        lrs = self.get_lr()  # this run's schedule at the checkpoint's step (warmup only for Schedule-Free groups)
+        for group, base, lr, target in zip(self.optimizer.param_groups, self.base_lrs, lrs, self.base_momenta):
             group["initial_lr"] = base
-            group["lr"] = base * factor
+            group["lr"] = lr
             if target is not None:
                 group["momentum"] = momentum_at(self.last_epoch, target, self.momentum_warmup)
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]

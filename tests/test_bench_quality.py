@@ -24,7 +24,13 @@ def test_quick_quality_benchmark_reports_steps_to_adamws_best(tmp_path):
     report = json.loads(out.read_text())
     assert report["machine"] in proc.stdout and "Muon steps / AdamW steps" in proc.stdout
     curves = report["mean_curves"]
-    assert set(curves) == {"muon", "adamw", "muon_keller"}
+    assert set(curves) == {"muon", "adamw", "muon_keller", "muon_schedulefree"}
+    # The Schedule-Free row: Muon's chosen lr, Schedule-Free AdamW on the rest, constant schedule.
+    (sf_run,) = [r for r in report["runs"] if r["spec"]["scalar_optimizer"] == "adamw_schedulefree"]
+    assert (sf_run["spec"]["optimizer"], sf_run["spec"]["schedule"]) == ("muon", "constant")
+    assert sf_run["spec"]["lr"] == report["chosen_lr"]["muon"]
+    assert report["final_val_loss_by_seed"]["muon_schedulefree"] == [sf_run["val_loss"][-1]]
+    assert "Muon + SF-AdamW, constant" in proc.stdout and "Muon + Schedule-Free AdamW (constant) -" in proc.stdout
     target = report["target_val_loss"]
     assert target == min(curves["adamw"]["val_loss"])
     for name, curve in curves.items():

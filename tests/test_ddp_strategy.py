@@ -170,3 +170,30 @@ def test_checkpoint_from_two_ranks_resumes_on_one_and_three(tmp_path):
     reference = _ranks(tmp_path / "full", 1)[0]
     _assert_all_equal(_ranks(tmp_path / "one", 1), reference, **FP32)
     _assert_all_equal(_ranks(tmp_path / "three", 3), reference, **FP32)
+
+
+def test_schedule_free_groups_under_two_ranks_equal_one_process(tmp_path):
+    # Head and biases on Schedule-Free AdamW: replicated, stepped on every rank from the
+    # all-reduced gradients, like AdamW groups. The epoch-end checkpoint is saved in train
+    # mode; it must come out in eval mode with the averaged weights on both strategies.
+    config = MuonConfig(
+        lr=0.02, weight_decay=0.1, ns_dtype="float32", scalar_optimizer="adamw_schedulefree", adamw_lr=1e-2, warmup=2
+    )
+    _fit(tmp_path / "one", "auto", 1, config=config)
+    _fit(tmp_path / "two", "muon_ddp_spawn", 2, config=config)
+    reference = _ranks(tmp_path / "one", 1)[0]
+    _assert_all_equal(_ranks(tmp_path / "two", 2), reference, **FP32)
+    one = torch.load(next((tmp_path / "one").rglob("*.ckpt")), weights_only=True)
+    two = torch.load(next((tmp_path / "two").rglob("*.ckpt")), weights_only=True)
+    groups = two["optimizer_states"][0]["param_groups"]
+    schedule_free = [g for g in groups if g["algorithm"] == "adamw_schedulefree"]
+    assert [g["name"] for g in schedule_free] == ["adamw_schedulefree_no_decay", "adamw_schedulefree"]
+    assert all(not g["train_mode"] and g["k"] == 6 for g in schedule_free)
+    for i in (i for g in schedule_free for i in g["params"]):
+        torch.testing.assert_close(
+            two["optimizer_states"][0]["state"][i]["z"], one["optimizer_states"][0]["state"][i]["z"], **FP32
+        )
+    # The checkpoints hold the averaged weights: what the fits ended with (up to the rounding
+    # of the train()/eval() between the save and the end of the fit).
+    for name, value in two["state_dict"].items():
+        torch.testing.assert_close(value, reference["params"][name], **FP32)

@@ -21,6 +21,9 @@ def test_steps_to_reach_is_the_first_step_at_or_below_the_target():
         (dict(steps=0), "steps must be a positive int"),
         (dict(eval_every=True), "eval_every must be a positive int"),
         (dict(lr=-1.0), "lr must be a positive finite number"),
+        (dict(scalar_optimizer="lion"), "scalar_optimizer must be one of"),
+        (dict(optimizer="adamw", scalar_optimizer="adamw_schedulefree"), "needs optimizer='muon'"),
+        (dict(schedule="cosine"), "schedule must be one of"),
     ],
 )
 def test_bad_specs_name_the_field(kwargs, message):
@@ -48,3 +51,14 @@ def test_train_records_validation_at_every_interval_and_the_end():
     result = train(spec)
     assert result["steps"] == [2, 4, 5]
     assert len(result["val_loss"]) == 3 and result["label"] == "muon (lr 0.01, polar_express)"
+
+
+def test_the_schedule_free_run_keeps_muon_and_a_constant_schedule():
+    spec = RunSpec(optimizer="muon", scalar_optimizer="adamw_schedulefree", schedule="constant", steps=200)
+    config = muon_config_for(spec)
+    assert (config.scalar_optimizer, config.falloff, config.adamw_lr) == ("adamw_schedulefree", "constant", 3e-3)
+    assert config.lr_schedule(spec.steps).warmup_steps == 10  # the same 5% warmup as the wsd runs
+    assert spec.label == "muon (lr 0.01, polar_express, adamw_schedulefree, constant)"
+    model = CharGPT(256, 16, 1, 2, 32, 0.0, False)
+    groups = route_parameters(model, **config.routing_kwargs())
+    assert {g["algorithm"] for g in groups} == {"muon", "adamw_schedulefree"}

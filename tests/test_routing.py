@@ -425,8 +425,21 @@ def test_scalar_algorithm_lion():
         "lion": 1e-4,
         "lion_no_decay": 1e-4,
     }
-    with pytest.raises(ValueError, match=r"scalar_algorithm must be 'adamw' or 'lion', got 'sgd'"):
+    with pytest.raises(
+        ValueError, match=r"scalar_algorithm must be one of \('adamw', 'lion', 'adamw_schedulefree'\), got 'sgd'"
+    ):
         route_parameters(model, scalar_algorithm="sgd")
+
+
+def test_scalar_algorithm_adamw_schedulefree():
+    model = _gpt()
+    by_name = _by_name(route_parameters(model, scalar_algorithm="adamw_schedulefree"))
+    assert sorted(by_name) == ["adamw_schedulefree", "adamw_schedulefree_no_decay", "muon"]
+    assert by_name["adamw_schedulefree"]["algorithm"] == "adamw_schedulefree"
+    assert by_name["adamw_schedulefree_no_decay"]["algorithm"] == "adamw_schedulefree"
+    assert by_name["adamw_schedulefree_no_decay"]["weight_decay"] == 0.0
+    assert by_name["adamw_schedulefree"]["param_names"] == ["tok_emb.weight", "pos_emb.weight", "lm_head.weight"]
+    assert by_name["muon"]["algorithm"] == "muon"
 
 
 @pytest.mark.parametrize(

@@ -1,5 +1,6 @@
 """Lightning callbacks for Muon training."""
 
+from lightning_muon.callbacks.schedule_free import ScheduleFreeModeSwitch
 from lightning_muon.callbacks.spectrum import UpdateSpectrumMonitor
 
-__all__ = ["UpdateSpectrumMonitor"]
+__all__ = ["ScheduleFreeModeSwitch", "UpdateSpectrumMonitor"]
