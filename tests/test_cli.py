@@ -131,19 +131,20 @@ def test_cli_fits_configs_adamw_yaml_with_adamw_groups_only(tmp_path):
 
 
 def test_cli_fits_configs_muon_schedulefree_yaml(tmp_path):
-    output = _fit(tmp_path, "muon_schedulefree.yaml", *TINY_CHARGPT)
+    # The config's 30-step warmup is longer than this 3-step run, which is refused: 3 here.
+    output = _fit(tmp_path, "muon_schedulefree.yaml", *TINY_CHARGPT, "--model.init_args.muon_config.warmup=3")
     sf = "adamw_schedulefree"
     assert _routing_table(output) == {sf: (sf, 3), f"{sf}_no_decay": (sf, 10), "muon": ("muon", 4)}
     checkpoint = _checkpoint(tmp_path)
     config = MuonConfig.from_any(checkpoint["hyper_parameters"]["muon_config"])
-    assert (config.scalar_optimizer, config.falloff, config.warmup) == (sf, "constant", 30)
+    assert (config.scalar_optimizer, config.falloff, config.warmup) == (sf, "constant", 3)
     # Constant falloff: the run's length is not needed, and no group decays.
     assert checkpoint["lr_schedulers"][0]["schedule"]["total_steps"] is None
     state = checkpoint["optimizer_states"][0]
     groups = {g["name"]: g for g in state["param_groups"]}
     # Saved after the validation at step 3: eval mode, three schedule-free steps counted.
     assert [(g["train_mode"], g["k"]) for g in (groups[sf], groups[f"{sf}_no_decay"])] == [(False, 3)] * 2
-    assert groups[sf]["lr"] == pytest.approx(0.003 * 4 / 30)  # the next (4th) step, in a 30-step warmup
+    assert groups[sf]["lr"] == pytest.approx(0.003)  # the next (4th) step: warmup done, and no falloff
     assert all({"z", "exp_avg_sq"} <= set(state["state"][i]) for i in groups[sf]["params"])
 
 
