@@ -329,12 +329,22 @@ class MuonConfig:
         if not self.split_qkv:
             return []
         options = {"split_sizes": list(self.qkv_split_shapes)}
-        transposed = {**options, "transposed": True}
         return [
             Rule(
                 name="split_qkv", algorithm="muon", group="muon_qkv", attributes="is_qkv", min_ndim=2, options=options
             ),
-            # GPT-2's c_attn is a Conv1D, stored (fan_in, fan_out): Q | K | V lie along dim 1.
+            Rule(name="qkv_names", algorithm="muon", group="muon_qkv", regex=QKV_NAMES, min_ndim=2, options=options),
+        ]
+
+    def transposed_qkv_rules(self) -> list[Rule]:
+        """GPT-2's c_attn is a Conv1D, stored (fan_in, fan_out): Q | K | V lie along dim 1.
+
+        Tried before ``qkv_rules``: the same names and sizes, split along the output axis.
+        """
+        if not self.split_qkv:
+            return []
+        transposed = {"split_sizes": list(self.qkv_split_shapes), "transposed": True}
+        return [
             Rule(
                 name="qkv_names_transposed",
                 algorithm="muon",
@@ -343,8 +353,7 @@ class MuonConfig:
                 module_types=TRANSPOSED_MODULES,
                 min_ndim=2,
                 options=transposed,
-            ),
-            Rule(name="qkv_names", algorithm="muon", group="muon_qkv", regex=QKV_NAMES, min_ndim=2, options=options),
+            )
         ]
 
     @staticmethod
@@ -368,7 +377,12 @@ class MuonConfig:
     def routing_kwargs(self) -> dict[str, Any]:
         """Keyword arguments for ``route_parameters``."""
         return dict(
-            rules=[*self.rules, *(self.mha_rules() if self.split_qkv else ()), *self.qkv_rules()],
+            rules=[
+                *self.rules,
+                *(self.mha_rules() if self.split_qkv else ()),
+                *self.transposed_qkv_rules(),
+                *self.qkv_rules(),
+            ],
             default_rules=self.default_rules,
             max_aspect_ratio=self.max_aspect_ratio,
             head_names=self.head_names,
