@@ -311,7 +311,14 @@ def test_real_gpt2_split_qkv_orthogonalizes_q_k_v(gpt2):
     groups = route_parameters(gpt2, **config.routing_kwargs())
     qkv = next(g for g in groups if g["name"] == "muon_qkv_transposed")
     assert [n.split(".", 3)[-1] for n in qkv["param_names"]] == ["attn.c_attn.weight"] * 2
-    Muon(groups, **config.optimizer_kwargs())  # the sizes fit the (64, 192) layout
+    opt = Muon(groups, **{**config.optimizer_kwargs(), "momentum": 0.0, "lr": 0.1})  # sizes fit (64, 192)
+    W = gpt2.transformer.h[0].attn.c_attn.weight
+    before = W.detach().clone()
+    gpt2(torch.randint(0, 128, (2, 16))).logits.square().mean().backward()
+    G = W.grad.clone()
+    opt.step()
+    blocks = [orthogonalize(G[:, i * 64 : (i + 1) * 64], dtype="float32") for i in range(3)]  # Q | K | V
+    torch.testing.assert_close(W.detach(), before - 0.1 * torch.cat(blocks, dim=1), rtol=0, atol=1e-6)
 
 
 @pytest.mark.distributed
