@@ -148,14 +148,22 @@ def muon_momentum_(
       orthogonalization (and a second moment's rescale) removes; only the relative weight
       of the current gradient in the Nesterov update differs (1 against ``1 - mu``).
     """
+    # Out-of-place foreach ops run at half the speed of a loop on CPU (measured: 29 ms against
+    # 14 ms for the Nesterov lerp of a d=384 x 6 GPT's matrices on 2 cores), so the update is
+    # made tensor by tensor there; CUDA's foreach kernels batch the launches.
+    per_tensor = bool(grads) and grads[0].device.type == "cpu"
     if form == "sum":
         torch._foreach_mul_(bufs, momentum)
         torch._foreach_add_(bufs, grads)
         if nesterov:
+            if per_tensor:
+                return [g.add(b, alpha=momentum) for g, b in zip(grads, bufs)]
             return list(torch._foreach_add(grads, bufs, alpha=momentum))
         return list(bufs)
     torch._foreach_lerp_(bufs, grads, 1.0 - momentum)
     if nesterov:
+        if per_tensor:
+            return [g.lerp(b, momentum) for g, b in zip(grads, bufs)]
         return list(torch._foreach_lerp(grads, bufs, momentum))
     return list(bufs)
 
