@@ -49,8 +49,8 @@ import lightning_muon.functional as functional
 from lightning_muon import Muon, route_parameters
 from lightning_muon.distributed.comm import all_reduce_bytes
 from lightning_muon.distributed.sharded import MuonSharding
-from lightning_muon.models import CharGPT
 from lightning_muon.newton_schulz import ns_flops_as_run, resolve_ns_dtype
+from lightning_muon_demo.models import CharGPT
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_ddp.json"
 VOCAB = 256

@@ -51,8 +51,8 @@ from torch import Tensor
 import lightning_muon.functional as functional
 from lightning_muon import Muon, route_parameters
 from lightning_muon.distributed.fsdp import MuonFSDPSharding, _matrix_shape, shard_rows
-from lightning_muon.models import CharGPT
 from lightning_muon.newton_schulz import ns_flops_as_run
+from lightning_muon_demo.models import CharGPT
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_fsdp.json"
 CONFIGS = ("adamw", "owner", "gather_all", "blockwise")

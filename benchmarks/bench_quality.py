@@ -1,7 +1,7 @@
 """Training quality: Muon against AdamW on the bundled character-level GPT, same token budget.
 
 Protocol (every run: the same model size, corpus, step budget, batch size, schedule and
-gradient clipping; see ``lightning_muon.experiment``):
+gradient clipping; see ``lightning_muon_demo.experiment``):
 
 1. lr sweep at seed 0: Muon over ``MUON_LRS``, AdamW over ``ADAMW_LRS``; each optimizer's lr
    is the one with the lowest final validation loss.
@@ -39,7 +39,7 @@ from typing import Any
 
 import torch
 
-from lightning_muon.experiment import RunSpec, machine_name, steps_to_reach, train
+from lightning_muon_demo.experiment import RunSpec, machine_name, steps_to_reach, train
 
 # The runs at the chosen lrs, by name; the optimizer is the name's first word.
 VARIANTS: dict[str, dict[str, str]] = {

@@ -40,8 +40,8 @@ sys.path.insert(0, str(Path(__file__).resolve().parent))
 from bench_optimizer import describe_machine  # a sibling script, not a package
 
 from lightning_muon import UpdateSpectrumMonitor
-from lightning_muon.data import CharTextDataModule
-from lightning_muon.demo import CharGPTModule
+from lightning_muon_demo.data import CharTextDataModule
+from lightning_muon_demo.module import CharGPTModule
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_spectra.json"
 TARGET_OVERHEAD = 0.05

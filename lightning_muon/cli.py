@@ -1,18 +1,21 @@
 """LightningCLI entry point: ``python -m lightning_muon fit --config configs/muon.yaml``.
 
-The bundled ``CharGPTModule`` is the default model; any LightningModule or
-LightningDataModule is taken by ``class_path``. Importing the package registers the
-Muon strategies, so ``--trainer.strategy=muon_ddp`` works.
+Any LightningModule or LightningDataModule is taken by ``class_path``; there is no default
+model (``python -m lightning_muon_demo fit`` is this CLI with the demo model as default).
+Importing the package registers the Muon strategies, so ``--trainer.strategy=muon_ddp``
+works.
 
 Which data a model gets:
 
 - ``--data`` (or the config's ``data:``) names a datamodule: the model trains on it,
-  except that the demo's ``CharTextDataModule`` is not given to a model of your own
-  that has its own loader for the subcommand (``train_dataloader`` for ``fit``): the
-  configs in ``configs/`` name it for the demo model, and a datamodule would win over
-  your loaders. A note on stderr says so.
-- No datamodule (``--data=null``, or a config without ``data:``): the demo model gets
-  ``CharTextDataModule`` with its defaults; any other model uses its own loaders.
+  except that a demo datamodule (one registered with :func:`register_demo_data` for its
+  model, such as the demo's ``CharTextDataModule``) is not given to another model that
+  has its own loader for the subcommand (``train_dataloader`` for ``fit``): the configs
+  in ``configs/`` name it for the demo model, and a datamodule would win over your
+  loaders. A note on stderr says so.
+- No datamodule (``--data=null``, or a config without ``data:``): a model with a
+  registered demo datamodule gets it with its defaults; any other model uses its own
+  loaders.
 
 The run's config is saved to the run's log directory as ``config.yaml``, never over a
 ``--config`` input or a file the CLI did not write (then ``config_1.yaml``, ...).
@@ -32,11 +35,14 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-__all__ = ["MuonCLI", "MuonSaveConfigCallback", "main"]
+__all__ = ["MuonCLI", "MuonSaveConfigCallback", "main", "register_demo_data"]
 
-DEMO_MODEL = "lightning_muon.demo.CharGPTModule"
-DEMO_DATA = "lightning_muon.data.CharTextDataModule"
 PROG = "python -m lightning_muon"
+
+# Demo datamodules by the class path of the model they were made for. A package that ships
+# a model with its own data registers the pair on import (lightning_muon_demo does); the
+# library itself names no model, so it never imports a demo.
+_DEMO_DATA: dict[str, str] = {}
 
 # The loader a model needs for each subcommand when no datamodule is given.
 _LOADER_HOOK = {
@@ -51,9 +57,39 @@ _LOADER_HOOK = {
 DUMP_HEADER = "lightning_muon: the config of a run, saved by the CLI"
 
 
+def register_demo_data(model: str, datamodule: str) -> None:
+    """Registers ``datamodule`` as the demo data made for ``model`` (class paths).
+
+    The CLI then gives ``model`` (and its subclasses) this datamodule when no ``--data`` is
+    given, and leaves it out for another model that has its own loaders (see the module
+    docstring). Registering the same pair again is a no-op.
+
+    Raises:
+        ValueError: ``model`` or ``datamodule`` is not a dotted class path, or ``model``
+            already has another demo datamodule.
+    """
+    for name, path in (("model", model), ("datamodule", datamodule)):
+        if not isinstance(path, str) or "." not in path:
+            raise ValueError(f"register_demo_data: {name} must be a dotted class path, got {path!r}")
+    if _DEMO_DATA.get(model, datamodule) != datamodule:
+        raise ValueError(
+            f"register_demo_data: model {model!r} already has the demo datamodule {_DEMO_DATA[model]!r},"
+            f" got {datamodule!r}"
+        )
+    _DEMO_DATA[model] = datamodule
+
+
 def _import_class(class_path: str) -> type:
     module, _, name = class_path.rpartition(".")
     return getattr(importlib.import_module(module), name)
+
+
+def _try_import(class_path: str) -> type | None:
+    """The class at ``class_path``, or ``None`` where it does not import (the parser reports that)."""
+    try:
+        return _import_class(class_path)
+    except (ImportError, AttributeError, ValueError):
+        return None
 
 
 def _is_class(class_path: object, target: str) -> bool:
@@ -110,6 +146,11 @@ class MuonArgumentParser(LightningArgumentParser):
         sys.stderr.write(f"error: {summary}\n")
         if len(message.strip().splitlines()) > 2:  # more than the summary says
             sys.stderr.write("details:\n" + "".join(f"  {line}\n" for line in message.strip().splitlines()))
+        if summary.endswith(".model") or ".model " in summary:  # no model named, and no default
+            sys.stderr.write(
+                "tip: name one with --model=<class_path> or --config=<file>;"
+                " python -m lightning_muon_demo fit trains the demo model\n"
+            )
         sys.stderr.write(f"tip: {prog} --help lists every option\n")
         self.exit(2)
 
@@ -159,19 +200,46 @@ class MuonSaveConfigCallback(SaveConfigCallback):
         super().setup(trainer, pl_module, stage)
 
 
+def _demo_data_of(model_path: str | None) -> str | None:
+    """The demo datamodule registered for ``model_path`` or a base class of it, if any."""
+    if model_path is None:
+        return None
+    _try_import(model_path)  # importing the model's package registers its pairs
+    return next((data for model, data in _DEMO_DATA.items() if _is_class(model_path, model)), None)
+
+
+def _is_demo_data(data_path: str | None) -> bool:
+    """Whether ``data_path`` is a registered demo datamodule or a subclass of one."""
+    if data_path is None:
+        return False
+    _try_import(data_path)  # importing the datamodule's package registers its pairs
+    return any(_is_class(data_path, data) for data in _DEMO_DATA.values())
+
+
 class MuonCLI(LightningCLI):
-    """LightningCLI with the demo model as default, optional data and short errors.
+    """LightningCLI with optional data, an optional default model and short errors.
 
     See the module docstring for which datamodule a model gets and where the config is
     saved.
+
+    Args:
+        *args: ``LightningCLI``'s arguments.
+        default_model: The class path of the model when neither ``--model`` nor the config
+            names one; ``None`` (the default) makes ``--model`` required.
+        **kwargs: ``LightningCLI``'s keyword arguments.
     """
+
+    def __init__(self, *args: Any, default_model: str | None = None, **kwargs: Any) -> None:
+        self.default_model = default_model  # read by add_arguments_to_parser, inside super().__init__
+        super().__init__(*args, **kwargs)
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
         kwargs.setdefault("dump_header", [DUMP_HEADER, f"lightning.pytorch=={pl.__version__}"])
         return super().init_parser(**kwargs)
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
-        parser.set_defaults({"model": {"class_path": DEMO_MODEL}})
+        if self.default_model is not None:
+            parser.set_defaults({"model": {"class_path": self.default_model}})
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
@@ -187,11 +255,12 @@ class MuonCLI(LightningCLI):
         """Sets ``config.data`` by the rules in the module docstring, with a note when the demo data is involved."""
         model_path = config.model.class_path if config.get("model") else None
         data_path = config.data.class_path if config.get("data") else None
-        if _is_class(model_path, DEMO_MODEL):
+        demo_data = _demo_data_of(model_path)
+        if demo_data is not None:
             if data_path is None:
-                config.data = _class_spec(DEMO_DATA)
+                config.data = _class_spec(demo_data)
             return
-        if data_path is None or not _is_class(data_path, DEMO_DATA):
+        if not _is_demo_data(data_path):
             return
         hook = _LOADER_HOOK.get(self.subcommand or "fit", "train_dataloader")
         model_class = _import_class(model_path)
@@ -205,7 +274,7 @@ class MuonCLI(LightningCLI):
             )
         else:
             rank_zero_info(
-                f"{name} has no {hook}: it trains on the demo datamodule {data_path} (bytes of text)"
+                f"{name} has no {hook}: it trains on the demo datamodule {data_path}"
                 " from the config; pass --data=<class_path> for your own"
             )
 
@@ -228,8 +297,15 @@ class MuonCLI(LightningCLI):
             raise SystemExit(2) from None
 
 
-def main(args: list[str] | None = None) -> MuonCLI:
-    """Run the CLI; ``args`` defaults to ``sys.argv[1:]``."""
+def main(args: list[str] | None = None, *, default_model: str | None = None, prog: str = PROG) -> MuonCLI:
+    """Run the CLI; ``args`` defaults to ``sys.argv[1:]``.
+
+    Args:
+        args: The command line after the program name.
+        default_model: The model's class path when none is given; ``None``: ``--model`` is
+            required.
+        prog: The program name shown in help and errors.
+    """
     return MuonCLI(
         pl.LightningModule,
         None,  # optional: a model with its own loaders needs no datamodule
@@ -237,6 +313,7 @@ def main(args: list[str] | None = None) -> MuonCLI:
         subclass_mode_model=True,
         subclass_mode_data=True,
         parser_class=MuonArgumentParser,
-        parser_kwargs={"prog": PROG},
+        parser_kwargs={"prog": prog},
         args=args,
+        default_model=default_model,
     )

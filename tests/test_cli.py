@@ -13,7 +13,7 @@ import torch
 import yaml
 
 from lightning_muon import MuonConfig
-from lightning_muon.demo import CharGPTModule
+from lightning_muon_demo.module import CharGPTModule
 
 ROOT = Path(__file__).resolve().parents[1]
 

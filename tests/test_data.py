@@ -9,7 +9,7 @@ from types import SimpleNamespace
 import pytest
 import torch
 
-from lightning_muon.data import (
+from lightning_muon_demo.data import (
     CharTextDataModule,
     RandomWindowDataset,
     SequentialWindowDataset,

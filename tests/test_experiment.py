@@ -4,9 +4,9 @@ from __future__ import annotations
 
 import pytest
 
-from lightning_muon.experiment import RunSpec, muon_config_for, steps_to_reach, train
-from lightning_muon.models import CharGPT
 from lightning_muon.routing import route_parameters
+from lightning_muon_demo.experiment import RunSpec, muon_config_for, steps_to_reach, train
+from lightning_muon_demo.models import CharGPT
 
 
 def test_steps_to_reach_is_the_first_step_at_or_below_the_target():

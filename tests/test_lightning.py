@@ -33,8 +33,8 @@ from lightning_muon import (
     configure_muon_optimizers,
     route_parameters,
 )
-from lightning_muon.data import CharTextDataModule
-from lightning_muon.demo import CharGPTModule
+from lightning_muon_demo.data import CharTextDataModule
+from lightning_muon_demo.module import CharGPTModule
 
 # Noise from Lightning itself on tiny CPU runs.
 pytestmark = pytest.mark.filterwarnings(

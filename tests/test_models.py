@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_muon.models import CharGPT
+from lightning_muon_demo.models import CharGPT
 
 TINY = {"vocab_size": 256, "block_size": 16, "n_layer": 2, "n_head": 2, "n_embd": 32}
 

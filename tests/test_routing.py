@@ -9,7 +9,7 @@ import torch
 from torch import nn
 
 from lightning_muon import Muon, Rule, route_parameters
-from lightning_muon.models import CharGPT
+from lightning_muon_demo.models import CharGPT
 
 D = 16  # model width of the small transformers below
 

@@ -28,8 +28,6 @@ from torch import nn
 
 from lightning_muon import Muon, MuonConfig, UpdateSpectrumMonitor
 from lightning_muon.callbacks._spectra import SpectrumCollector, render_heatmap
-from lightning_muon.data import CharTextDataModule
-from lightning_muon.demo import CharGPTModule
 from lightning_muon.metrics import (
     EffectiveRank,
     LargestSingularValue,
@@ -46,6 +44,8 @@ from lightning_muon.metrics import (
     singular_values,
     spectrum_stats,
 )
+from lightning_muon_demo.data import CharTextDataModule
+from lightning_muon_demo.module import CharGPTModule
 
 pytestmark = pytest.mark.distributed
 

@@ -17,7 +17,7 @@ import yaml
 from existing_model import DigitsClassifier
 
 from lightning_muon import MuonModuleMixin
-from lightning_muon.digits import DigitsDataModule
+from lightning_muon_demo.digits import DigitsDataModule
 
 
 class MuonDigitsClassifier(MuonModuleMixin, DigitsClassifier):

@@ -20,8 +20,8 @@ from pathlib import Path
 import lightning.pytorch as pl
 import yaml
 
-from lightning_muon.data import CharTextDataModule
-from lightning_muon.demo import CharGPTModule
+from lightning_muon_demo.data import CharTextDataModule
+from lightning_muon_demo.module import CharGPTModule
 
 
 def main() -> None:

@@ -15,7 +15,7 @@ from torch import nn
 
 from lightning_muon import MuonConfig, MuonModuleMixin
 from lightning_muon.cli import MuonSaveConfigCallback
-from lightning_muon.digits import DigitsDataModule
+from lightning_muon_demo.digits import DigitsDataModule
 
 
 class DigitsMLP(MuonModuleMixin, pl.LightningModule):

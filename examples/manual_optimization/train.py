@@ -20,7 +20,7 @@ import yaml
 from torch import nn
 
 from lightning_muon import MuonConfig, build_optimizers, build_schedulers
-from lightning_muon.digits import DigitsDataModule
+from lightning_muon_demo.digits import DigitsDataModule
 
 
 class ManualDigitsClassifier(pl.LightningModule):

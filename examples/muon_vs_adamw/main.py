@@ -25,7 +25,7 @@ import yaml
 from lightning.pytorch.loggers import CSVLogger
 
 from lightning_muon import UpdateSpectrumMonitor
-from lightning_muon.experiment import RunSpec, machine_name, plot_curves, steps_to_reach, train
+from lightning_muon_demo.experiment import RunSpec, machine_name, plot_curves, steps_to_reach, train
 
 SPECTRA_COLUMNS = (
     "sigma_max",

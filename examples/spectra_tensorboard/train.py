@@ -19,8 +19,8 @@ import yaml
 from lightning.pytorch.loggers import TensorBoardLogger
 
 from lightning_muon import UpdateSpectrumMonitor
-from lightning_muon.data import CharTextDataModule
-from lightning_muon.demo import CharGPTModule
+from lightning_muon_demo.data import CharTextDataModule
+from lightning_muon_demo.module import CharGPTModule
 
 
 def main() -> None:

@@ -1,7 +1,7 @@
 """Muon against AdamW on the bundled character-level GPT: the runs behind the main job and the quality benchmark.
 
 One ``RunSpec`` describes one training run of ``CharGPTModule`` on the default corpus (the
-Python standard library's source, see ``lightning_muon.data``); ``train`` runs it with a
+Python standard library's source, see ``lightning_muon_demo.data``); ``train`` runs it with a
 Lightning ``Trainer`` and returns the validation loss measured every ``eval_every`` steps.
 The two optimizers share everything but the optimizer: model, data order (``seed``),
 schedule (linear warmup, stable, linear cooldown) and gradient clipping. The Muon run
@@ -25,10 +25,9 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_muon.config import MuonConfig
-from lightning_muon.data import CharTextDataModule
-from lightning_muon.demo import CharGPTModule
-from lightning_muon.routing import Rule
+from lightning_muon import MuonConfig, Rule
+from lightning_muon_demo.data import CharTextDataModule
+from lightning_muon_demo.module import CharGPTModule
 
 __all__ = [
     "DEFAULT_LR",

@@ -5,9 +5,8 @@ from __future__ import annotations
 import lightning.pytorch as pl
 from torch import Tensor
 
-from lightning_muon.config import MuonConfig
-from lightning_muon.models import CharGPT
-from lightning_muon.module import MuonModuleMixin
+from lightning_muon import MuonConfig, MuonModuleMixin
+from lightning_muon_demo.models import CharGPT
 
 __all__ = ["CharGPTModule"]
 
