@@ -28,7 +28,13 @@ from lightning_muon.functional import (
     muon_second_moment_,
     second_moment_buffer,
 )
-from lightning_muon.newton_schulz import check_ns_dtype, check_ns_method, resolve_coefficients
+from lightning_muon.newton_schulz import (
+    BATCH_MAX_ELEMENTS,
+    check_ns_dtype,
+    check_ns_method,
+    resolve_coefficients,
+    resolve_ns_dtype,
+)
 
 __all__ = ["ALGORITHMS", "SCHEDULE_FREE", "Muon"]
 
@@ -596,10 +602,26 @@ class Muon(Optimizer):
             if "momentum_buffer" not in state:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             bufs.append(state["momentum_buffer"])
-        updates = muon_momentum_(grads, bufs, group["momentum"], group["nesterov"], group["momentum_form"])
+        # Without an observer or a sharding to hand the momentum to, the Nesterov update is a
+        # temporary that Newton-Schulz may iterate in place. A matrix that runs alone gets it
+        # made in the work dtype (the cast folded into the momentum kernel, no staging copy);
+        # small ones are cast on their way into a batched stack, so theirs stays as it is.
+        donate = group["nesterov"] and self._update_observer is None and self._sharding is None
+        out_dtypes = None
+        if donate:
+            alone = group["split_sizes"] is None and not group["batched"]
+            out_dtypes = [
+                resolve_ns_dtype(group["ns_dtype"], g.device, g.dtype)
+                if alone and g.ndim == 2 and g.numel() > BATCH_MAX_ELEMENTS
+                else g.dtype
+                for g in grads
+            ]
+        updates = muon_momentum_(
+            grads, bufs, group["momentum"], group["nesterov"], group["momentum_form"], out_dtypes=out_dtypes
+        )
         if group["sign_momentum"]:
             updates = list(torch._foreach_sign(updates))
-        ortho = self._orthogonalize(group, params, updates)
+        ortho = self._orthogonalize(group, params, updates, donate=donate)
         if group["second_moment"] is not None:
             ortho = self._second_moment(group, params, ortho)
         # A sharding that holds the full matrices only on owner ranks calls the observer itself.
@@ -636,7 +658,9 @@ class Muon(Optimizer):
             batched=group["batched"],
         )
 
-    def _orthogonalize(self, group: dict, params: list[Tensor], updates: list[Tensor]) -> list[list[Tensor]]:
+    def _orthogonalize(
+        self, group: dict, params: list[Tensor], updates: list[Tensor], donate: bool = False
+    ) -> list[list[Tensor]]:
         """Per update, its orthogonalized pieces; a sharding with ``orthogonalize`` does it across ranks."""
         kwargs = dict(
             ns_steps=group["ns_steps"],
@@ -651,7 +675,7 @@ class Muon(Optimizer):
         if sharded is not None:
             return sharded(params, updates, **kwargs)
         # Pieces stay in Newton-Schulz's dtype: muon_apply_ adds them into the parameters in one pass.
-        return muon_orthogonalize(updates, **kwargs, keep_work_dtype=True)
+        return muon_orthogonalize(updates, **kwargs, keep_work_dtype=True, donate=donate)
 
     def _adamw_step(self, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
         for p in params:

@@ -380,9 +380,18 @@ def orthogonalize(
 
 
 def _orthogonalize(
-    G: Tensor, steps: int, coefficients: str | Sequence[Sequence[float]], dtype: torch.dtype | str | None, method: str
+    G: Tensor,
+    steps: int,
+    coefficients: str | Sequence[Sequence[float]],
+    dtype: torch.dtype | str | None,
+    method: str,
+    donate: bool = False,
 ) -> Tensor:
-    """``orthogonalize`` with the result left in the iteration's dtype (no cast back)."""
+    """``orthogonalize`` with the result left in the iteration's dtype (no cast back).
+
+    ``donate=True``: ``G`` is a temporary the caller gives up; when it is already contiguous
+    and in the work dtype, the iteration runs in it rather than in a copy.
+    """
     if not isinstance(G, Tensor) or G.ndim < 2:
         raise ValueError(f"G must be a tensor with at least 2 dims, got shape {getattr(G, 'shape', G)}")
     if G.is_complex() or not G.is_floating_point():
@@ -392,9 +401,14 @@ def _orthogonalize(
     method, work_dtype = _method_and_dtype(method, rows, cols, dtype, G)
     if G.numel() == 0:
         return torch.zeros_like(G)
-    tall = rows > cols
     X = G.reshape(-1, rows, cols)  # (K, rows, cols)
-    # The one full-size copy: laid wide and cast to the work dtype in the same pass.
+    if donate and method == "standard" and X.dtype == work_dtype and X.is_contiguous():
+        # A temporary already in place: iterated as it lies, a tall one on its short side
+        # (X^T X), which equals the wide iteration on its transpose up to rounding.
+        return _newton_schulz_(X, schedule, norm, method).reshape(*batch_shape, rows, cols)
+    tall = rows > cols
+    # The one full-size copy: laid wide and cast to the work dtype in the same pass, so that
+    # orthogonalize(G^T) is exactly orthogonalize(G)^T.
     X = (X.mT if tall else X).to(work_dtype, memory_format=torch.contiguous_format, copy=True)
     X = _newton_schulz_(X, schedule, norm, method)  # (K, m, n), m <= n
     if tall:
@@ -416,7 +430,13 @@ def _method_and_dtype(
 
 
 def _newton_schulz_(X: Tensor, schedule: list[Coefficients], norm: Normalization, method: str = "standard") -> Tensor:
-    """Iterate in place on ``X`` of shape (K, m, n) with m <= n; returns the result buffer."""
+    """Iterate in place on ``X`` of shape (K, m, n); returns the result buffer.
+
+    The standard iteration runs on the short side in either orientation: a wide ``X``
+    (m <= n) takes ``A = X X^T`` and ``X <- a X + B X``, a tall one ``A = X^T X`` and
+    ``X <- a X + X B`` (the same map: the transpose of the wide iteration on ``X^T``), so a
+    tall temporary needs no transposed copy. Gram Newton-Schulz needs m <= n.
+    """
     # The norm of a bf16 X is accumulated in float32 by torch's reduction kernels (CPU and
     # CUDA) and only the (K, 1, 1) result is rounded to bf16 (2^-9 relative, which the safety
     # factor absorbs, and what torch.optim.Muon does); asking for dtype=float32 instead would
@@ -429,32 +449,48 @@ def _newton_schulz_(X: Tensor, schedule: list[Coefficients], norm: Normalization
     if X.shape[0] == 1:
         return _iterate_2d(X[0], schedule).unsqueeze(0)
     K, m, n = X.shape
-    A = X.new_empty(K, m, m)  # (K, m, m) Gram matrices
-    B = X.new_empty(K, m, m)
-    Y = X.new_empty(K, m, n)
+    tall = m > n
+    k = min(m, n)
+    A = X.new_empty(K, k, k)  # (K, k, k) Gram matrices of the short side
+    B = X.new_empty(K, k, k)
+    Y = torch.empty_like(X)  # (K, m, n)
     for a, b, c in schedule:
-        torch.bmm(X, X.mT, out=A)
+        if tall:
+            torch.bmm(X.mT, X, out=A)
+        else:
+            torch.bmm(X, X.mT, out=A)
         if c == 0.0:
             torch.mul(A, b, out=B)
         else:
             torch.baddbmm(A, A, A, beta=b, alpha=c, out=B)
-        torch.baddbmm(X, B, X, beta=a, out=Y)
+        if tall:
+            torch.baddbmm(X, X, B, beta=a, out=Y)  # a X + X B (B is symmetric)
+        else:
+            torch.baddbmm(X, B, X, beta=a, out=Y)
         X, Y = Y, X
     return X
 
 
 def _iterate_2d(X: Tensor, schedule: list[Coefficients]) -> Tensor:
-    m, n = X.shape  # m <= n
-    A = X.new_empty(m, m)
-    B = X.new_empty(m, m)
-    Y = X.new_empty(m, n)
+    m, n = X.shape
+    tall = m > n
+    k = min(m, n)
+    A = X.new_empty(k, k)  # (k, k) Gram matrix of the short side
+    B = X.new_empty(k, k)
+    Y = torch.empty_like(X)  # (m, n)
     for a, b, c in schedule:
-        torch.mm(X, X.mT, out=A)
+        if tall:
+            torch.mm(X.mT, X, out=A)
+        else:
+            torch.mm(X, X.mT, out=A)
         if c == 0.0:
             torch.mul(A, b, out=B)
         else:
             torch.addmm(A, A, A, beta=b, alpha=c, out=B)
-        torch.addmm(X, B, X, beta=a, out=Y)
+        if tall:
+            torch.addmm(X, X, B, beta=a, out=Y)  # a X + X B (B is symmetric)
+        else:
+            torch.addmm(X, B, X, beta=a, out=Y)
         X, Y = Y, X
     return X
 
@@ -493,6 +529,7 @@ def orthogonalize_many(
     dtype: torch.dtype | str | None = None,
     method: str = "standard",
     keep_work_dtype: bool = False,
+    donate: bool = False,
 ) -> list[Tensor]:
     """``[orthogonalize(M) for M in matrices]``, with same-shape small matrices batched.
 
@@ -504,6 +541,9 @@ def orthogonalize_many(
     ``keep_work_dtype=True`` returns each result in the dtype it was computed in (bf16 on
     a fast-bf16 device) instead of casting it back: the caller adds it into the parameter
     in one pass (``muon_apply_``), where a cast would be a second full-size pass.
+    ``donate=True``: the matrices are temporaries the caller gives up (``Muon``'s Nesterov
+    update, made in the work dtype); a large one already contiguous in that dtype is iterated
+    in place, with no copy.
     """
     schedule, norm = resolve_coefficients(coefficients, steps)
     check_ns_method(method)
@@ -512,7 +552,7 @@ def orthogonalize_many(
     for i, M in enumerate(matrices):
         rows, cols = M.shape[-2:]
         if M.ndim != 2 or rows * cols > BATCH_MAX_ELEMENTS or M.numel() == 0:
-            alone = _orthogonalize(M, steps, coefficients, dtype, method)
+            alone = _orthogonalize(M, steps, coefficients, dtype, method, donate)
             out[i] = alone if keep_work_dtype else alone.to(M.dtype)
             continue
         key = (min(rows, cols), max(rows, cols), M.device, M.dtype)
