@@ -1,0 +1,162 @@
+"""benchmarks/scale_model.py: its counts equal what bench_ddp.py and bench_fsdp.py measure, and its H100 targets."""
+
+from __future__ import annotations
+
+import json
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from dist_utils import run_distributed
+
+from lightning_muon.distributed.comm import all_reduce_bytes
+from lightning_muon.newton_schulz import resolve_ns_dtype
+
+ROOT = Path(__file__).resolve().parents[1]
+sys.path.insert(0, str(ROOT / "benchmarks"))
+
+import bench_ddp  # noqa: E402
+import bench_fsdp  # noqa: E402
+import scale_model as sm  # noqa: E402
+
+TINY = dict(quick=True, threads=1, n_layer=1, n_embd=16, n_head=2, block_size=8, batch=1, warmup=0, steps=1)
+
+
+def _ddp_settings(world: int) -> bench_ddp.Settings:
+    return bench_ddp.Settings(world_size=world, count_steps=1, wide_budget_s=0.0, **TINY)
+
+
+def _fsdp_settings(world: int) -> bench_fsdp.Settings:
+    return bench_fsdp.Settings(world_size=world, ns_dtype="float32", **TINY)
+
+
+def _both_benches(rank: int, world: int) -> tuple[dict, dict]:
+    """One rank of bench_ddp.py, then of bench_fsdp.py, in the same gloo group (one launch for both)."""
+    ddp = bench_ddp._rank_main(rank, _ddp_settings(world))
+    fsdp = bench_fsdp._rank_main(rank, _fsdp_settings(world))
+    return ddp["configs"], fsdp["configs"]
+
+
+def assert_ddp_counts(s: bench_ddp.Settings, ranks: list[dict]) -> None:
+    """bench_ddp.py's counted bytes and FLOPs per rank (``configs`` of each rank) equal the scale model's."""
+    world = s.world_size
+    model = bench_ddp._model(s)
+    shapes = sm.shapes_from_optimizer("CharGPT", model, bench_ddp._optimizer(model))
+    dtype = resolve_ns_dtype(None, "cpu", torch.float32)  # the benchmark's automatic dtype
+    # One node of `world` ranks: every byte is intra-node, as on the benchmark's host.
+    counts = sm.ddp_counts(shapes, world, world, world, ns_dtype=dtype)["ranks"]
+    total_flops = sum(sm.ns_flops_of(m, 5, "auto", dtype) for m in shapes.muon)
+    assert len(ranks) == len(counts) == world
+    for rank, (d, mod) in enumerate(zip(ranks, counts)):
+        rs = d["reduce_scatter"]
+        # muon_ddp today: MuonSharding's own counts and DDP's bucket hook, one by one.
+        for op in ("reduce_scatter", "all_gather", "nonfinite_flag"):
+            assert rs["muon_path_bytes_per_step"].get(op, 0.0) == pytest.approx(mod["bytes"].get(op, 0.0)), (rank, op)
+        assert rs["ddp_bucket_bytes_per_step"] == pytest.approx(mod["bytes"]["ddp_buckets"])
+        assert sum(rs["wire_bytes_per_step"].values()) == pytest.approx(mod["intra"] + mod["inter"])
+        assert mod["inter"] == 0.0
+        assert rs["ns_flops_per_step"] == mod["ns_flops"]
+        # Plain DDP: one all-reduce of every gradient, every matrix orthogonalized on every rank.
+        assert sum(d["ddp"]["wire_bytes_per_step"].values()) == pytest.approx(
+            all_reduce_bytes(shapes.total_numel, 4, world)
+        )
+        assert d["ddp"]["ns_flops_per_step"] == total_flops
+    assert sum(r["ns_flops"] for r in counts) == total_flops
+
+
+def assert_fsdp_counts(s: bench_fsdp.Settings, ranks: list[dict]) -> None:
+    """bench_fsdp.py's counted Muon bytes and FLOPs per rank, both modes, equal the scale model's."""
+    model = bench_fsdp._model(s)
+    shapes = sm.shapes_from_optimizer("CharGPT", model, bench_ddp._optimizer(model))
+    itemsize = torch.float32.itemsize if s.ns_dtype == "float32" else None
+    assert itemsize is not None, "the counts are compared with Newton-Schulz pinned to float32"
+    counts = sm.fsdp_counts(shapes, s.world_size, s.world_size, wire_bytes=itemsize, ns_dtype=torch.float32)["ranks"]
+    assert len(ranks) == len(counts) == s.world_size
+    for rank, (f, mod) in enumerate(zip(ranks, counts)):
+        owner = f["owner"]["sharding_bytes_per_step"]
+        for op in ("to_owner", "from_owner", "step_check"):
+            assert owner.get(op, 0.0) == pytest.approx(mod["bytes"][op]), (rank, op)
+        assert f["blockwise"]["sharding_bytes_per_step"] == pytest.approx({"step_check": mod["bytes"]["step_check"]})
+        assert f["owner"]["ns_flops_per_step"] == mod["ns_flops_owner"]
+        assert f["blockwise"]["ns_flops_per_step"] == mod["ns_flops_blockwise"]
+
+
+@pytest.mark.distributed
+@pytest.mark.slow
+@pytest.mark.parametrize("world", [3, 4])
+def test_counts_equal_the_benchmarks(world):
+    """W = 3 and 4 here, one launch running both benchmarks; W = 2 in test_bench_ddp.py / test_bench_fsdp.py."""
+    measured = run_distributed(_both_benches, world)
+    assert_ddp_counts(_ddp_settings(world), [d for d, _ in measured])
+    assert_fsdp_counts(_fsdp_settings(world), [f for _, f in measured])
+
+
+@pytest.mark.parametrize(
+    ("preset", "expected"),
+    [  # busiest rank's Newton-Schulz FLOPs / (total / W), and idle ranks, at W = 8, 32, 64, 128, 256, 1024
+        ("gpt2-small", [(1.02, 0), (1.33, 0), (1.71, 16), (3.43, 80), (6.86, 208), (27.43, 976)]),
+        ("1.3b", [(1.0, 0), (1.1, 0), (1.33, 0), (1.71, 32), (3.43, 160), (13.71, 928)]),
+        ("7b", [(1.0, 0), (1.0, 0), (1.14, 0), (1.29, 0), (2.57, 128), (10.29, 896)]),
+    ],
+)
+def test_presets_reproduce_the_owner_ceiling(preset, expected):
+    shapes = sm.PRESETS[preset]()
+    assert len(shapes.muon) == {"gpt2-small": 48, "1.3b": 96, "7b": 128}[preset]
+    for world, (share, idle) in zip((8, 32, 64, 128, 256, 1024), expected):
+        plan = sm.plan_for(shapes, world)
+        busiest = max(plan.load(r) for r in range(world))
+        assert busiest / (sum(plan.flops) / world) == pytest.approx(share, abs=0.005)
+        assert sum(1 for r in range(world) if not plan.owned(r)) == idle
+
+
+def test_collective_split_adds_up_to_the_ring():
+    for world, per_node in ((8, 8), (16, 8), (24, 8), (64, 8), (12, 4), (6, 1)):
+        topo = sm.Topology(world, per_node)
+        for factor, flat in ((2.0, all_reduce_bytes(1000, 4, world)), (1.0, all_reduce_bytes(1000, 4, world) / 2)):
+            intra, inter = sm.collective_split(list(range(world)), 3, topo, 4000.0, factor)
+            assert intra + inter == pytest.approx(flat)
+            assert (inter == 0.0) == (world == per_node)
+
+
+def test_h100_targets_and_owner_groups():
+    """Item 4: muon_ddp (groups of 8 + overlap) <= plain DDP with replicated Muon, all presets, W = 8..1024."""
+    profile = sm.h100_profile()
+    results = sm.run_model({k: f() for k, f in sm.PRESETS.items()}, profile, sm.WORLDS, None)
+    for key, res in results.items():
+        for world, rows in res["worlds"].items():
+            assert rows["target"]["passed"], (key, world, rows["target"])
+            ours, ddp = rows["muon_ddp_groups"], rows["ddp_replicated"]
+            # Inter-node bytes <= plain DDP's, but for the flags: one fp32 element per owned
+            # matrix (which gradients exist) and the finiteness bit, all-reduced across groups.
+            flags = all_reduce_bytes(res["matrices"] // 8 + 2, 4, world)
+            assert ours["inter_bytes"] <= ddp["inter_bytes"] + flags, (key, world)
+            # Overlap never makes it worse; today's design is what grows with W.
+            assert rows["muon_ddp_groups_overlap"]["overhead_s"] <= ours["overhead_s"] + 1e-12
+    gpt2 = results["gpt2-small"]["worlds"]
+    assert gpt2[1024]["muon_ddp_today"]["overhead_s"] > 10 * gpt2[8]["muon_ddp_today"]["overhead_s"]
+    # Busiest rank's Newton-Schulz <= 1.25 x total / S while S <= matrices / 2.
+    for key, make in sm.PRESETS.items():
+        shapes = make()
+        total = sum(sm.ns_flops_of(m, 5, "auto", torch.bfloat16) for m in shapes.muon)
+        for size in (2, 4, 8, 16, 32, 64):
+            if size <= len(shapes.muon) // 2:
+                ranks = sm.ddp_counts(shapes, size, size, 8)["ranks"]
+                assert max(r["ns_flops"] for r in ranks) <= 1.25 * total / size, (key, size)
+
+
+def test_cli_writes_table_json_and_png(tmp_path, capsys):
+    out = tmp_path / "scale.json"
+    args = ["--module", "lightning_muon_demo.models.CharGPT", "--init-args", '{"n_embd": 64, "n_layer": 2}']
+    assert sm.main([*args, "--worlds", "8", "16", "--set", "inter_gbps=25", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    assert report["profile"]["values"]["inter_gbps"] == 25.0
+    assert "set on the command line" in report["profile"]["sources"]["inter_gbps"]
+    assert set(report["results"]["lightning_muon_demo.models.CharGPT"]["worlds"]) == {"8", "16"}
+    assert out.with_suffix(".png").stat().st_size > 0
+    printed = capsys.readouterr().out
+    assert "muon_ddp, owner groups of S + overlap" in printed and "target" in printed
+    with pytest.raises(SystemExit, match="unknown profile constant"):
+        sm.main(["--preset", "gpt2-small", "--worlds", "8", "--set", "nvlink=1", "--out", str(out)])
+    with pytest.raises(ValueError, match="group_size must divide"):
+        sm.ddp_counts(sm.PRESETS["gpt2-small"](), 8, 3, 8)
