@@ -1,6 +1,6 @@
 """lightning_muon: train PyTorch Lightning models with the Muon optimizer."""
 
-from lightning_muon.callbacks import ScheduleFreeModeSwitch, UpdateSpectrumMonitor
+from lightning_muon.callbacks import QKClip, ScheduleFreeModeSwitch, UpdateSpectrumMonitor
 from lightning_muon.config import MuonConfig
 from lightning_muon.module import MuonModuleMixin, build_optimizers, build_schedulers, configure_muon_optimizers
 from lightning_muon.muon import Muon
@@ -19,6 +19,7 @@ __all__ = [
     "MuonModuleMixin",
     "MuonScheduler",
     "ParamGroups",
+    "QKClip",
     "Rule",
     "ScheduleFreeModeSwitch",
     "UpdateSpectrumMonitor",

@@ -30,6 +30,11 @@ shared, and ``named_parameters()`` lists it once, as ``tok_emb.weight``.
 
 ``qkv`` is one ``(3d, d)`` matrix: Muon orthogonalizes it as a whole, not as
 three ``(d, d)`` blocks, unless a routing rule says otherwise.
+
+The attention implements QK-clip's protocol (``qk_clip_heads()``: Q is rows
+``0 .. d-1`` of ``qkv``, K rows ``d .. 2d-1``, with their biases) and calls SDPA through
+``lightning_muon.attention.scaled_dot_product_attention``, which is torch's function
+unless a ``QKClip`` callback asked for the per-head maxima.
 """
 
 from __future__ import annotations
@@ -39,6 +44,8 @@ import math
 import torch
 import torch.nn.functional as F
 from torch import Tensor, nn
+
+from lightning_muon.attention.maxima import QKHeads, scaled_dot_product_attention
 
 __all__ = ["CharGPT"]
 
@@ -59,11 +66,19 @@ class CausalSelfAttention(nn.Module):
         q, k, v = self.qkv(x).split(C, dim=2)  # each (B, T, C)
         # (B, T, C) -> (B, H, T, C / H): heads become a batch dimension for SDPA.
         q, k, v = (t.view(B, T, self.n_head, C // self.n_head).transpose(1, 2) for t in (q, k, v))
-        y = F.scaled_dot_product_attention(
-            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True
-        )  # (B, H, T, C / H)
+        y = scaled_dot_product_attention(
+            q, k, v, dropout_p=self.dropout if self.training else 0.0, is_causal=True, module=self
+        )  # (B, H, T, C / H); per-head max logits recorded while a QKClip callback asks
         y = y.transpose(1, 2).reshape(B, T, C)
         return self.resid_drop(self.proj(y))
+
+    def qk_clip_heads(self) -> QKHeads:
+        """QK-clip's view of ``qkv``: Q is output rows ``0 .. d-1``, K rows ``d .. 2d-1`` (biases alike)."""
+        d = self.qkv.out_features // 3
+        return QKHeads(
+            self.qkv.weight, self.qkv.weight, self.n_head, self.n_head, d // self.n_head,
+            q_bias=self.qkv.bias, k_bias=self.qkv.bias, q_offset=0, k_offset=d,
+        )  # fmt: skip
 
 
 class MLP(nn.Module):

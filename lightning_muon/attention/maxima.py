@@ -1,0 +1,261 @@
+"""Per-head maximum attention logits: the measurement QK-clip acts on, and the protocol behind it.
+
+QK-clip (MuonClip) needs, for every attention head ``h``, the largest pre-softmax logit
+of the step's forward pass::
+
+    S_max[h] = max over batch b, query i, allowed key j of  scale * <q[b, h, i], k[b, g(h), j]>
+
+(``g(h)`` the key head of query head ``h``: ``h // (H / G)`` with ``H`` query and ``G``
+key heads, ``g(h) = h`` without GQA). Masked positions (causal future, padding) do not
+count; additive biases (ALiBi, soft-capping) are not part of ``q . k`` and are left out,
+since clipping scales ``q . k`` alone.
+
+The protocol, for any attention module:
+
+- ``qk_clip_heads()`` returns a :class:`QKHeads`: which parameters are Q and K, where
+  their blocks sit, how many query and key heads there are, and the weight layout;
+- its forward calls :func:`record_max_logits` with the ``(H,)`` maxima while
+  ``module.qk_clip_recording`` is true (the callback sets it), or calls this module's
+  :func:`scaled_dot_product_attention` / :func:`flex_attention` with ``module=self``,
+  which do that for it. The maxima accumulate (a running MAX over micro-batches) in
+  ``module.qk_clip_max_logits`` until the callback reads and clears them.
+"""
+
+from __future__ import annotations
+
+from dataclasses import dataclass
+from typing import Protocol, runtime_checkable
+
+import torch
+import torch.nn.functional as F
+from torch import Tensor, nn
+
+__all__ = [
+    "QKClipAttention",
+    "QKHeads",
+    "flex_attention",
+    "head_max_logits",
+    "is_recording",
+    "record_max_logits",
+    "scaled_dot_product_attention",
+]
+
+# Scores materialized at once by head_max_logits: 2^24 floats (64 MiB in fp32). Longer
+# sequences are measured in query blocks so the extra memory stays bounded.
+_MAX_SCORE_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True)
+class QKHeads:
+    """Where one attention module's query and key heads live in its parameters.
+
+    Head ``h`` of Q is the ``head_dim`` output rows ``q_offset + h * head_dim ...`` of
+    ``q_weight`` (output columns when ``transposed``), and the same entries of ``q_bias``;
+    likewise for K with ``k_offset``. A fused QKV projection names one parameter for both,
+    with the K block's offset (the demo GPT's ``qkv``: ``k_offset = d``; GPT-2's ``c_attn``:
+    the same, ``transposed=True``).
+    """
+
+    q_weight: Tensor
+    """Parameter holding the query projection (output rows, or columns when transposed)."""
+    k_weight: Tensor
+    """Parameter holding the key projection; may be ``q_weight`` itself (fused QKV)."""
+    num_heads: int
+    """Query heads ``H``: the length of the recorded maxima."""
+    num_kv_heads: int
+    """Key heads ``G``; ``H`` must be a multiple (GQA: each key head serves ``H / G`` query heads)."""
+    head_dim: int
+    """Rows (columns when transposed) per head in both projections."""
+    q_bias: Tensor | None = None
+    """Bias of the query projection (scaled with its head's rows so ``q`` scales exactly), or None."""
+    k_bias: Tensor | None = None
+    """Bias of the key projection, or None."""
+    q_offset: int = 0
+    """First output row of the Q block in ``q_weight``."""
+    k_offset: int = 0
+    """First output row of the K block in ``k_weight``."""
+    transposed: bool = False
+    """True for weights stored ``(fan_in, fan_out)`` (transformers' ``Conv1D``): heads are columns."""
+
+    def __post_init__(self) -> None:
+        for name in ("num_heads", "num_kv_heads", "head_dim", "q_offset", "k_offset"):
+            value = getattr(self, name)
+            minimum = 0 if name.endswith("offset") else 1
+            if isinstance(value, bool) or not isinstance(value, int) or value < minimum:
+                raise ValueError(f"QKHeads.{name} must be an int >= {minimum}, got {value!r}")
+        if self.num_heads % self.num_kv_heads:
+            raise ValueError(
+                f"QKHeads.num_heads ({self.num_heads}) must be a multiple of num_kv_heads ({self.num_kv_heads})"
+            )
+        axis = 1 if self.transposed else 0
+        for which, weight, bias, offset, heads in (
+            ("q", self.q_weight, self.q_bias, self.q_offset, self.num_heads),
+            ("k", self.k_weight, self.k_bias, self.k_offset, self.num_kv_heads),
+        ):
+            if weight.ndim != 2:
+                raise ValueError(f"QKHeads.{which}_weight must be a matrix, got shape {tuple(weight.shape)}")
+            end = offset + heads * self.head_dim
+            if end > weight.shape[axis]:
+                raise ValueError(
+                    f"QKHeads: {heads} {which} heads of {self.head_dim} from {which}_offset {offset} need {end} "
+                    f"outputs, but {which}_weight {tuple(weight.shape)} has {weight.shape[axis]} along dim {axis}"
+                    f" ({'(fan_in, fan_out)' if self.transposed else '(fan_out, fan_in)'} layout)"
+                )
+            if bias is not None and bias.shape != (weight.shape[axis],):
+                raise ValueError(
+                    f"QKHeads.{which}_bias has shape {tuple(bias.shape)}; expected ({weight.shape[axis]},)"
+                )
+
+
+@runtime_checkable
+class QKClipAttention(Protocol):
+    """An attention module QK-clip can act on (see the module docstring for the contract)."""
+
+    def qk_clip_heads(self) -> QKHeads:
+        """Its Q and K parameters and head layout, read at every clip (FSDP may replace parameters)."""
+        ...
+
+
+def is_recording(module: nn.Module | None) -> bool:
+    """Whether ``module``'s forward should measure maxima now: the callback asked, and it is training."""
+    return module is not None and module.training and bool(getattr(module, "qk_clip_recording", False))
+
+
+@torch.no_grad()
+def record_max_logits(module: nn.Module, max_logits: Tensor) -> None:
+    """Fold ``max_logits`` ``(H,)`` into ``module.qk_clip_max_logits`` by a running maximum.
+
+    Micro-batches of one optimizer step (gradient accumulation) and re-run forwards
+    (activation checkpointing) fold into the same maximum; the callback clears it after
+    each step.
+    """
+    max_logits = max_logits.detach().float()
+    previous = getattr(module, "qk_clip_max_logits", None)
+    module.qk_clip_max_logits = max_logits if previous is None else torch.maximum(previous, max_logits)
+
+
+@torch.no_grad()
+def head_max_logits(
+    query: Tensor,
+    key: Tensor,
+    *,
+    scale: float | None = None,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+) -> Tensor:
+    """Largest ``scale * q . k`` per query head over batch, queries and allowed keys; shape ``(H,)``.
+
+    Args:
+        query: ``(..., H, Tq, d)``.
+        key: ``(..., G, Tk, d)`` with ``G`` dividing ``H`` (GQA keys are not repeated:
+            query heads are viewed as ``(G, H / G)`` instead).
+        scale: the softmax scale; default ``1 / sqrt(d)``, as SDPA's.
+        attn_mask: broadcastable to ``(..., H, Tq, Tk)``: boolean (True = may attend) or
+            additive float (positions at ``-inf`` or at most half the dtype's minimum are
+            masked; other values are biases, left out of the maximum).
+        is_causal: key ``j`` allowed for query ``i`` iff ``j <= i`` (SDPA's top-left
+            alignment).
+
+    Returns:
+        float32 ``(H,)``; ``-inf`` for a head whose every position is masked.
+
+    Cost: the ``Q K^T`` product once more (``2 * B * H * Tq * Tk * d`` FLOPs, no backward)
+    and one pass over the scores, in query blocks of at most 2^24 scores.
+    """
+    *batch, H, Tq, d = query.shape
+    G, Tk = key.shape[-3], key.shape[-2]
+    if H % G:
+        raise ValueError(f"head_max_logits: query heads ({H}) must be a multiple of key heads ({G})")
+    scale = d**-0.5 if scale is None else scale
+    r = H // G
+    q = query.reshape(-1, G, r, Tq, d)  # (B, G, r, Tq, d): the r query heads of each key head
+    kt = key.reshape(-1, G, 1, Tk, d).transpose(-1, -2)  # (B, G, 1, d, Tk)
+    B = max(q.shape[0], kt.shape[0])
+    mask = None
+    if attn_mask is not None:
+        mask = attn_mask.expand(*batch, H, Tq, Tk).reshape(-1, G, r, Tq, Tk)  # (B', G, r, Tq, Tk)
+        if mask.dtype != torch.bool:
+            mask = mask > torch.finfo(mask.dtype).min / 2
+    block = max(1, _MAX_SCORE_ELEMENTS // max(1, B * H * Tk))
+    best = torch.full((G, r), float("-inf"), device=query.device)
+    for start in range(0, Tq, block):
+        stop = min(Tq, start + block)
+        scores = torch.matmul(q[:, :, :, start:stop], kt).float()  # (B, G, r, t, Tk)
+        allowed = None
+        if is_causal:
+            rows = torch.arange(start, stop, device=query.device)[:, None]
+            allowed = torch.arange(Tk, device=query.device)[None, :] <= rows  # (t, Tk)
+        if mask is not None:
+            part = mask[..., start:stop, :]
+            allowed = part if allowed is None else part & allowed
+        if allowed is not None:
+            scores = scores.masked_fill(~allowed, float("-inf"))
+        best = torch.maximum(best, scores.amax(dim=(0, 3, 4)))
+    # The scale is positive, so it commutes with the max; applied once on (G, r) numbers.
+    return (best * scale).reshape(H)
+
+
+def scaled_dot_product_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    attn_mask: Tensor | None = None,
+    dropout_p: float = 0.0,
+    is_causal: bool = False,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    module: nn.Module | None = None,
+) -> Tensor:
+    """``F.scaled_dot_product_attention``, which also records each head's max logit on ``module``.
+
+    Same arguments and result as torch's function. When ``module`` is recording (a
+    ``QKClip`` callback is attached and the module is in training mode), the per-head
+    maxima of ``scale * q . k`` over the allowed positions (:func:`head_max_logits`) are
+    folded into ``module.qk_clip_max_logits`` first; otherwise this is torch's function
+    alone, at no extra cost. Use it in your attention's forward with ``module=self``.
+    """
+    if is_recording(module):
+        record_max_logits(module, head_max_logits(query, key, scale=scale, attn_mask=attn_mask, is_causal=is_causal))
+    return F.scaled_dot_product_attention(
+        query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+        enable_gqa=enable_gqa,
+    )  # fmt: skip
+
+
+def flex_attention(
+    query: Tensor,
+    key: Tensor,
+    value: Tensor,
+    score_mod: object | None = None,
+    block_mask: object | None = None,
+    scale: float | None = None,
+    enable_gqa: bool = False,
+    *,
+    module: nn.Module | None = None,
+    **kwargs: object,
+) -> Tensor:
+    """``torch.nn.attention.flex_attention.flex_attention``, recording each head's max score on ``module``.
+
+    While ``module`` is recording, the kernel is asked for its row maxima
+    (``return_aux=AuxRequest(max_scores=True)``, torch >= 2.9): the maximum comes out of
+    the attention kernel itself, with no second ``Q K^T``. They are the scores after
+    ``score_mod`` (a bias it adds is included; masked positions are not). torch 2.13
+    computes them on CUDA only (on CPU it raises ``NotImplementedError``); use
+    :func:`scaled_dot_product_attention` there. Returns the attention output only.
+    """
+    from torch.nn.attention.flex_attention import AuxRequest
+    from torch.nn.attention.flex_attention import flex_attention as _flex
+
+    if not is_recording(module):
+        return _flex(query, key, value, score_mod, block_mask, scale, enable_gqa, **kwargs)
+    if query.device.type != "cuda":
+        raise ValueError(
+            f"flex_attention: recording max scores needs CUDA under torch {torch.__version__} (query is on "
+            f"{query.device}); use lightning_muon.attention.scaled_dot_product_attention instead"
+        )
+    out, aux = _flex(
+        query, key, value, score_mod, block_mask, scale, enable_gqa, return_aux=AuxRequest(max_scores=True), **kwargs
+    )
+    record_max_logits(module, aux.max_scores.detach().float().amax(dim=(0, 2)))  # (B, H, Tq) -> (H,)
+    return out

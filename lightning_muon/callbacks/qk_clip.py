@@ -1,0 +1,257 @@
+"""``QKClip``: MuonClip's per-head QK-clip as a Lightning callback, on one process or many."""
+
+from __future__ import annotations
+
+import fnmatch
+import math
+import re
+from collections.abc import Callable, Sequence
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+import torch.distributed as dist
+from lightning.pytorch.callbacks import Callback
+from lightning.pytorch.strategies import ModelParallelStrategy
+from torch import Tensor, nn
+from typing_extensions import override
+
+from lightning_muon.attention.clip import apply_qk_clip, clip_factors
+from lightning_muon.attention.hf import enable_hf_recording, hf_qk_heads, is_hf_module
+from lightning_muon.attention.maxima import QKHeads
+
+__all__ = ["QKClip", "find_attention"]
+
+
+def _matches(name: str, patterns: Sequence[str] | None) -> bool:
+    if patterns is None:
+        return True
+    return any(re.search(p[3:], name) if p.startswith("re:") else fnmatch.fnmatchcase(name, p) for p in patterns)
+
+
+def find_attention(
+    model: nn.Module, names: Sequence[str] | None = None
+) -> list[tuple[str, nn.Module, Callable[[], QKHeads]]]:
+    """``(name, module, read QKHeads)`` for every attention module of ``model`` QK-clip can act on.
+
+    In order of ``named_modules()``: modules with a ``qk_clip_heads()`` method (the
+    protocol; the demo ``CharGPT``'s attention has one), then transformers' attention
+    modules (Llama-style ``q_proj``/``k_proj``, GPT-2's ``c_attn``). ``names`` (glob
+    patterns, or regular expressions prefixed ``"re:"``) keeps only the matching names.
+    """
+    found = []
+    for name, module in model.named_modules():
+        if not _matches(name, names):
+            continue
+        if callable(getattr(module, "qk_clip_heads", None)):
+            found.append((name, module, module.qk_clip_heads))
+        elif is_hf_module(module) and hf_qk_heads(module) is not None:
+            found.append((name, module, lambda m=module: hf_qk_heads(m)))
+    return found
+
+
+def _data_parallel_group(trainer: pl.Trainer) -> Any:
+    """The group whose ranks saw different data: the 2-D mesh's data-parallel dim, else the world.
+
+    Under tensor parallelism a rank records the maxima of its own heads; reducing over the
+    data-parallel group only keeps them its own, and each rank then scales its own heads.
+    """
+    if not isinstance(trainer.strategy, ModelParallelStrategy):
+        return None  # the default group
+    mesh = trainer.strategy.device_mesh
+    if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names:
+        return mesh["data_parallel"].get_group()
+    return None  # the default group
+
+
+class QKClip(Callback):
+    r"""MuonClip's QK-clip: after each optimizer step, shrink the Q and K weights of every head whose logits ran away.
+
+    For each attention head ``h`` the step's forward passes record ``S_h``, the largest
+    pre-softmax logit ``scale * q . k`` over the batch (all micro-batches of the step; all
+    ranks, by one MAX all-reduce). After the optimizer step, a head with ``S_h > tau``
+    gets ``eta_h = tau / S_h`` and
+
+    .. math::
+
+        W_q^{(h)} \leftarrow \eta_h^{\alpha} W_q^{(h)}, \qquad
+        W_k^{(h)} \leftarrow \eta_h^{1-\alpha} W_k^{(h)}
+
+    (Q and K biases with their rows), so its logits scale by exactly ``eta_h`` and their
+    maximum on that forward's inputs lands on ``tau``. Heads at or under ``tau`` are left
+    bit for bit as they were. With grouped-query attention a key head shared by several
+    query heads takes the smallest ``eta`` of its group (the only choice that puts every
+    head of the group at or under ``tau``; ``lightning_muon.attention.clip``).
+
+    The maxima are those of the step's own forward, taken before the update, as in Kimi K2
+    and Megatron; the next forward's logits differ by what the step changed.
+
+    Which modules: every module of the LightningModule implementing the protocol
+    (``qk_clip_heads()`` plus recording through
+    ``lightning_muon.attention.scaled_dot_product_attention(..., module=self)``; the demo
+    ``CharGPT`` does), and every transformers attention (Llama-style ``q_proj``/``k_proj``,
+    with GQA; GPT-2's fused ``c_attn``), whose models are switched to the registered
+    ``"qk_clip_sdpa"`` attention function (transformers' SDPA, plus the maxima).
+
+    Logged every step through ``LightningModule.log`` (so TensorBoard, CSV and any logger
+    show them): ``qk_clip/max_logit/<module name>`` (the largest ``S_h`` of the layer, before
+    clipping), ``qk_clip/max_logit`` (of the model) and ``qk_clip/clipped_heads`` (heads
+    clipped this step).
+
+    Args:
+        threshold: ``tau``, the largest logit allowed (Kimi K2 and Megatron: 100).
+        alpha: the share of the shrinking put on Q, in [0, 1] (0.5: split evenly).
+        names: only attention modules with these names (glob patterns or ``"re:"``
+            regular expressions); None: every one found.
+        clip: False measures and logs the maxima without changing any weight (a
+            baseline run).
+        log_per_layer: log ``qk_clip/max_logit/<module name>`` for each layer (the
+            model-wide maximum and the clipped count are always logged).
+
+    Raises:
+        ValueError: on a bad argument (naming it), when the model has no attention module
+            QK-clip can act on (at fit start), or for an attention it cannot bound (a
+            transformers attention with QK-norm; flash or flex attention implementations).
+
+    Example::
+
+        trainer = Trainer(callbacks=[QKClip(threshold=100.0, alpha=0.5)])
+
+    Notes:
+        Cost: while recording, each attention call computes ``Q K^T`` once more (no
+        gradient, in query blocks of at most 2^24 scores) and its masked maximum:
+        ``2 B H T^2 d`` FLOPs, a third of the attention's forward-and-backward
+        ``Q K^T`` work. After each step: one all-reduce of ``H`` floats per layer (packed
+        into one tensor) and one multiply over the Q and K weights; no host-device
+        synchronization except what the loggers read. Flex attention users get the
+        maxima from the kernel itself (``lightning_muon.attention.flex_attention``, CUDA).
+        ``benchmarks/bench_qk_clip.py`` measures the overhead against the training step.
+
+        Distributed: the maxima are MAX-reduced over the data-parallel ranks, so every
+        rank computes the same factors. Under ``muon_ddp`` each replica scales its
+        parameters identically; under ``muon_fsdp`` each rank scales the rows of its own
+        DTensor shards (no communication); under tensor parallelism (a 2-D mesh) the
+        reduction runs over the data-parallel group only and each rank scales its own
+        heads. Every rank must run this callback.
+
+    References:
+        Kimi Team, "Kimi K2: Open Agentic Intelligence", arXiv 2507.20534, 2025.
+    """
+
+    def __init__(
+        self,
+        threshold: float = 100.0,
+        alpha: float = 0.5,
+        names: Sequence[str] | None = None,
+        clip: bool = True,
+        log_per_layer: bool = True,
+    ) -> None:
+        if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < math.inf:
+            raise ValueError(f"QKClip: threshold must be a finite number > 0, got {threshold!r}")
+        if isinstance(alpha, bool) or not isinstance(alpha, (int, float)) or not 0.0 <= alpha <= 1.0:
+            raise ValueError(f"QKClip: alpha must be a number in [0, 1], got {alpha!r}")
+        if names is not None:
+            names = [names] if isinstance(names, str) else list(names)
+            if not names or not all(isinstance(n, str) and n for n in names):
+                raise ValueError(f"QKClip: names must be None or a non-empty list of non-empty strings, got {names!r}")
+        for flag, value in (("clip", clip), ("log_per_layer", log_per_layer)):
+            if not isinstance(value, bool):
+                raise ValueError(f"QKClip: {flag} must be a bool, got {value!r}")
+        self.threshold = float(threshold)
+        self.alpha = float(alpha)
+        self.names = names
+        self.clip = clip
+        self.log_per_layer = log_per_layer
+        self._clipped_total = 0
+        self._pending: Tensor | None = None
+        self._modules: list[tuple[str, nn.Module, Callable[[], QKHeads]]] = []
+        self._last_step: int | None = None
+
+    @property
+    def clipped_heads_total(self) -> int:
+        """Heads clipped since the run started, over every step and layer (checkpointed, so resumes add up)."""
+        if self._pending is not None:
+            self._clipped_total += int(self._pending)
+            self._pending = None
+        return self._clipped_total
+
+    @property
+    @override
+    def state_key(self) -> str:
+        return self._generate_state_key(threshold=self.threshold, alpha=self.alpha, names=self.names)
+
+    @override
+    def on_fit_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        # After the strategy set the model up (configure_model, DDP/FSDP wrapping): the
+        # modules found here are the ones that run.
+        enable_hf_recording(pl_module)
+        self._modules = find_attention(pl_module, self.names)
+        if not self._modules:
+            where = f" matching names={self.names}" if self.names is not None else ""
+            raise ValueError(
+                f"QKClip: found no attention module{where} in {type(pl_module).__name__}: give your attention "
+                "a qk_clip_heads() method and record with lightning_muon.attention.scaled_dot_product_attention"
+                "(..., module=self), or use a transformers model"
+            )
+        for _, module, read in self._modules:
+            read()  # validates the layout now, not after the first step
+            module.qk_clip_recording = True
+            module.qk_clip_max_logits = None
+
+    @override
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        self._last_step = trainer.global_step
+
+    @override
+    def on_train_batch_end(
+        self, trainer: pl.Trainer, pl_module: pl.LightningModule, outputs: Any, batch: Any, batch_idx: int
+    ) -> None:
+        if trainer.global_step == self._last_step:
+            return  # accumulating gradients: no step yet, the maxima keep folding
+        self._last_step = trainer.global_step
+        maxima = self._reduced_maxima(trainer, pl_module)
+        clipped = torch.zeros((), dtype=torch.long, device=maxima[0].device)
+        for (name, _, read), layer in zip(self._modules, maxima):
+            over = layer > self.threshold
+            clipped = clipped + over.sum()
+            if self.clip:
+                heads = read()
+                q, k = clip_factors(layer, self.threshold, self.alpha, heads.num_kv_heads)
+                apply_qk_clip(heads, q, k)
+            if self.log_per_layer:
+                pl_module.log(f"qk_clip/max_logit/{name}", layer.amax(), on_step=True, on_epoch=False)
+        pl_module.log("qk_clip/max_logit", torch.stack([m.amax() for m in maxima]).amax(), on_step=True, on_epoch=False)
+        pl_module.log("qk_clip/clipped_heads", clipped.float(), on_step=True, on_epoch=False)
+        if self.clip:  # a running count on the device: no host sync per step
+            self._pending = clipped if self._pending is None else self._pending + clipped
+        for _, module, _ in self._modules:
+            module.qk_clip_max_logits = None
+
+    def _reduced_maxima(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Tensor]:
+        """Each layer's ``(H,)`` maxima of this step, MAX-reduced over ranks in one packed all-reduce."""
+        layers = []
+        for _, module, read in self._modules:
+            recorded = getattr(module, "qk_clip_max_logits", None)
+            if recorded is None:  # the layer did not run this step (or does not record)
+                recorded = torch.full((read().num_heads,), float("-inf"), device=pl_module.device)
+            layers.append(recorded)
+        packed = torch.cat(layers)  # (sum of H,) one tensor, one collective
+        if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=_data_parallel_group(trainer))
+        return list(packed.split([m.numel() for m in layers]))
+
+    @override
+    def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
+        for _, module, _ in self._modules:
+            module.qk_clip_recording = False
+            module.qk_clip_max_logits = None
+        self._modules = []
+
+    @override
+    def state_dict(self) -> dict[str, Any]:
+        return {"clipped_heads_total": self.clipped_heads_total}
+
+    @override
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        self._clipped_total = int(state_dict.get("clipped_heads_total", 0))
+        self._pending = None

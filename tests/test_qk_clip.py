@@ -1,0 +1,328 @@
+"""QKClip: per-head maxima, the clip rule (GQA, fused c_attn), logging, resumption, YAML, 2 ranks.
+
+The logits checked after a clip are recomputed here by hand (q and k from the weights,
+RoPE from transformers' own function), not by the code under test.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+from pathlib import Path
+
+import lightning.pytorch as pl
+import pytest
+import torch
+from dist_utils import run_distributed
+from qk_clip_modules import BLOCK, EMBD, HEADS, PLANTED, TAU, DumpingGPT, PlantedGPT, fit_worker, tokens, trainer
+from torch import nn
+
+from lightning_muon import QKClip
+from lightning_muon.attention import QKHeads, clip_factors, head_max_logits
+from lightning_muon.attention import maxima as maxima_module
+
+ROOT = Path(__file__).resolve().parents[1]
+# Q and K scaled by eta^alpha and eta^(1-alpha) in fp32: the recomputed maximum is tau up
+# to a few roundings of the weights and the q . k sums (relative ~1e-6).
+ROUNDING = 1e-5
+
+
+def _brute_max(q: torch.Tensor, k: torch.Tensor, allowed: torch.Tensor, scale: float) -> torch.Tensor:
+    """``(H,)`` max of ``scale * q . k`` over allowed positions, GQA keys repeated the plain way."""
+    k = k.repeat_interleave(q.shape[1] // k.shape[1], dim=1)
+    scores = (q.double() @ k.double().transpose(-1, -2)) * scale
+    return scores.masked_fill(~allowed, -math.inf).amax(dim=(0, 2, 3)).float()
+
+
+def test_head_max_logits_against_brute_force(monkeypatch):
+    gen = torch.Generator().manual_seed(0)
+    q, k = torch.randn(2, 6, 7, 4, generator=gen), torch.randn(2, 3, 7, 4, generator=gen)
+    causal = torch.ones(7, 7, dtype=torch.bool).tril()
+    padding = torch.rand(2, 1, 7, 7, generator=gen) > 0.4
+    additive = torch.zeros(2, 1, 7, 7).masked_fill(~padding, torch.finfo(torch.float32).min) - 0.25  # bias left out
+    torch.testing.assert_close(head_max_logits(q, k, is_causal=True), _brute_max(q, k, causal, 0.5))
+    torch.testing.assert_close(head_max_logits(q, k, attn_mask=padding, scale=0.3), _brute_max(q, k, padding, 0.3))
+    torch.testing.assert_close(head_max_logits(q, k, attn_mask=additive), _brute_max(q, k, padding, 0.5))
+    monkeypatch.setattr(maxima_module, "_MAX_SCORE_ELEMENTS", 40)  # query blocks of one row
+    torch.testing.assert_close(
+        head_max_logits(q, k, attn_mask=padding, is_causal=True), _brute_max(q, k, padding & causal, 0.5)
+    )
+
+
+def test_gqa_rule_and_bad_arguments():
+    # 4 query heads on 2 key heads: head 1 of group 0 clipped (eta 0.25), group 1 both clipped.
+    q, k = clip_factors(torch.tensor([2.0, 8.0, 4.0, 3.0]), 2.0, 0.5, num_kv_heads=2)
+    torch.testing.assert_close(q, torch.tensor([1.0, 0.5, 0.5**0.5, (2 / 3) ** 0.5]))
+    torch.testing.assert_close(k, torch.tensor([0.5, 0.5**0.5]))  # each group's smallest eta, ^(1 - alpha)
+    # Every head of a group ends at or under tau: eta_h^alpha * min(eta)^(1-alpha) * S_h <= tau.
+    assert torch.all(torch.tensor([2.0, 8.0, 4.0, 3.0]) * q * k.repeat_interleave(2) <= 2.0 + 1e-6)
+    for bad, match in (
+        (dict(threshold=0.0), "threshold"),
+        (dict(threshold=math.inf), "threshold"),
+        (dict(alpha=1.5), "alpha"),
+        (dict(names=[]), "names"),
+        (dict(clip="yes"), "clip"),
+    ):
+        with pytest.raises(ValueError, match=match):
+            QKClip(**bad)
+    w = nn.Parameter(torch.zeros(6, 4))
+    with pytest.raises(ValueError, match="num_kv_heads"):
+        QKHeads(w, w, num_heads=3, num_kv_heads=2, head_dim=1)
+    with pytest.raises(ValueError, match="need 8 outputs"):
+        QKHeads(w, w, num_heads=2, num_kv_heads=2, head_dim=2, k_offset=4)
+
+
+def _layer_inputs(model: PlantedGPT) -> list[torch.Tensor]:
+    """What each block's attention reads on the fixed batch: ``ln1`` of the residual stream."""
+    rows = tokens()[:, :-1]
+    inputs = []
+    with torch.no_grad():
+        x = model.model.tok_emb(rows) + model.model.pos_emb(torch.arange(BLOCK))
+        for block in model.model.blocks:
+            inputs.append(block.ln1(x))
+            x = block(x)
+    return inputs
+
+
+def _demo_maxima(model: PlantedGPT, inputs: list[torch.Tensor]) -> torch.Tensor:
+    """``(layers, H)`` max logits of ``model``'s ``qkv`` weights on the given attention inputs, by hand.
+
+    The clip bounds the logits of the inputs the step's forward saw; later layers' inputs
+    change once earlier layers are clipped, so the check holds the inputs fixed.
+    """
+    out = []
+    with torch.no_grad():
+        for block, h in zip(model.model.blocks, inputs):
+            q, k, _ = block.attn.qkv(h).split(EMBD, dim=2)
+            q, k = (t.view(*t.shape[:2], HEADS, -1).transpose(1, 2) for t in (q, k))
+            causal = torch.ones(BLOCK, BLOCK, dtype=torch.bool).tril()
+            out.append(_brute_max(q, k, causal, (EMBD // HEADS) ** -0.5))
+    return torch.stack(out)
+
+
+def _fit(root, steps, callbacks, model=None, **kwargs):
+    model = model or PlantedGPT()
+    fit = trainer(root, steps, callbacks, **kwargs)
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # small-dataset and logging notices
+        fit.fit(model)
+    return model, fit
+
+
+def _row_factors(layer: int, eta: torch.Tensor) -> torch.Tensor:
+    """``(3d,)`` factor per ``qkv`` output row: eta^(1/2) on a planted head's Q and K rows, else 1."""
+    hd = EMBD // HEADS
+    factor = torch.ones(3 * EMBD)
+    for h in PLANTED[layer]:
+        for block_start in (0, EMBD):  # the Q block, the K block
+            factor[block_start + h * hd : block_start + (h + 1) * hd] = eta[layer, h] ** 0.5
+    return factor
+
+
+def _assert_clipped(after: dict, reference: dict, eta: torch.Tensor) -> None:
+    """``after`` is ``reference`` with the planted heads' Q/K rows times eta^(1/2), every other bit equal."""
+    for name, p in after.items():
+        if ".attn.qkv." not in name:
+            assert torch.equal(p, reference[name]), name
+            continue
+        factor = _row_factors(int(name.split(".")[2]), eta)
+        keep = factor == 1  # heads under tau, and V
+        assert torch.equal(p[keep], reference[name][keep]), name
+        expect = reference[name] * (factor[:, None] if p.ndim == 2 else factor)
+        torch.testing.assert_close(p[~keep], expect[~keep], rtol=1e-6, atol=0)
+
+
+def test_planted_heads_land_on_tau_and_the_rest_stay_bitwise(tmp_path):
+    # 1) Weights frozen by the optimizer (SGD, lr 0), so the clip is all that changes them:
+    #    every recomputed maximum is <= tau, the clipped ones at tau (not over-clipped),
+    #    and every other head's logits and weights are bitwise what they were.
+    model = PlantedGPT(optimizer="sgd0")
+    start = {n: p.detach().clone() for n, p in model.named_parameters()}
+    inputs = _layer_inputs(model)
+    s_before = _demo_maxima(model, inputs)
+    planted = torch.zeros_like(s_before, dtype=torch.bool)
+    for layer, heads in PLANTED.items():
+        planted[layer, heads] = True
+    assert torch.all(s_before[planted] > 10 * TAU) and torch.all(s_before[~planted] < TAU)
+    eta = torch.where(planted, TAU / s_before, torch.ones_like(s_before))
+    _fit(tmp_path, 1, [QKClip(threshold=TAU)], model=model)
+    s_after = _demo_maxima(model, inputs)
+    assert torch.all(s_after <= TAU * (1 + ROUNDING)), s_after
+    torch.testing.assert_close(s_after[planted], torch.full_like(s_after[planted], TAU), rtol=ROUNDING, atol=0)
+    assert torch.equal(s_after[~planted], s_before[~planted])
+    _assert_clipped(dict(model.named_parameters()), start, eta)
+
+    # 2) A real Muon step against the same step with clip=False: heads under tau are
+    #    bitwise the unclipped run's; clipped heads are it times eta^alpha (Q) and
+    #    eta^(1-alpha) (K), eta from the maxima the step's forward saw (before the update).
+    clipped, fit_on = _fit(tmp_path / "on", 1, [QKClip(threshold=TAU)])
+    plain, fit_off = _fit(tmp_path / "off", 1, [QKClip(threshold=TAU, clip=False)])
+    _assert_clipped(dict(clipped.named_parameters()), dict(plain.named_parameters()), eta)
+    assert fit_on.callbacks[0].clipped_heads_total == 2 and fit_off.callbacks[0].clipped_heads_total == 0
+    for fit in (fit_on, fit_off):  # logged through LightningModule.log, the maxima before clipping
+        logged = fit.callback_metrics
+        assert logged["qk_clip/clipped_heads"] == 2
+        for layer in range(2):
+            torch.testing.assert_close(
+                logged[f"qk_clip/max_logit/model.blocks.{layer}.attn"], s_before[layer].max(), rtol=1e-5, atol=0
+            )
+        torch.testing.assert_close(logged["qk_clip/max_logit"], s_before.max(), rtol=1e-5, atol=0)
+
+
+class _HFModule(pl.LightningModule):
+    """A transformers causal LM on one fixed batch, stepped by SGD at lr 0 (only the clip moves weights)."""
+
+    def __init__(self, model: nn.Module) -> None:
+        super().__init__()
+        self.model = model
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(5))
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(ids), batch_size=4)
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def _hf_case(kind: str):
+    """(model, attention module, by-hand (H,) maxima on fixed inputs, planted Q head, its key head)."""
+    import transformers
+
+    torch.manual_seed(0)
+    if kind == "llama_gqa":  # 4 query heads on 2 key heads of 8 dims, RoPE
+        config = transformers.LlamaConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            num_key_value_heads=2, max_position_embeddings=16, attn_implementation="sdpa",
+        )  # fmt: skip
+        model = transformers.LlamaForCausalLM(config)
+        attn = model.model.layers[0].self_attn
+        with torch.no_grad():  # Q head 0 x40 and its key head 0 x10: head 0 x400, head 1 x10
+            attn.q_proj.weight[0:8] *= 40.0
+            attn.k_proj.weight[0:8] *= 10.0
+    else:  # GPT-2: fused c_attn, Conv1D (fan_in, fan_out); head 2's Q and K columns x40
+        config = transformers.GPT2Config(
+            vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=4, bos_token_id=0, eos_token_id=0,
+            resid_pdrop=0.0, embd_pdrop=0.0, attn_pdrop=0.0,  # the by-hand inputs must be the forward's
+        )  # fmt: skip
+        model = transformers.GPT2LMHeadModel(config)
+        attn = model.transformer.h[0].attn
+        with torch.no_grad():
+            attn.c_attn.weight[:, 16:24] *= 40.0
+            attn.c_attn.weight[:, 32 + 16 : 32 + 24] *= 40.0
+    seen = {}
+    proj = attn.q_proj if kind == "llama_gqa" else attn.c_attn
+    handle = proj.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0].detach()))
+    module = _HFModule(model)
+    batch = next(iter(module.train_dataloader()))[0]
+    with torch.no_grad():
+        model(input_ids=batch)
+    handle.remove()
+    x = seen["x"]  # (B, T, 32): what the projections read
+
+    def maxima() -> torch.Tensor:
+        with torch.no_grad():
+            T = x.shape[1]
+            if kind == "llama_gqa":
+                from transformers.models.llama.modeling_llama import apply_rotary_pos_emb
+
+                q = attn.q_proj(x).view(*x.shape[:2], 4, 8).transpose(1, 2)
+                k = attn.k_proj(x).view(*x.shape[:2], 2, 8).transpose(1, 2)
+                cos, sin = model.model.rotary_emb(x, torch.arange(T)[None])
+                q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            else:
+                q, k, _ = attn.c_attn(x).split(32, dim=2)
+                q, k = (t.view(*t.shape[:2], 4, 8).transpose(1, 2) for t in (q, k))
+            return _brute_max(q, k, torch.ones(T, T, dtype=torch.bool).tril(), 8**-0.5)
+
+    return module, attn, maxima
+
+
+@pytest.mark.parametrize("kind", ["llama_gqa", "gpt2_c_attn"])
+def test_hugging_face_attention_gqa_and_fused_c_attn(tmp_path, kind):
+    module, attn, maxima = _hf_case(kind)
+    start = {n: p.detach().clone() for n, p in module.named_parameters()}
+    s_before = maxima()
+    planted = 0 if kind == "llama_gqa" else 2
+    assert s_before[planted] > 10 * TAU and torch.all(torch.cat([s_before[:planted], s_before[planted + 1 :]]) < TAU)
+    eta = TAU / s_before[planted]
+    _, fit = _fit(tmp_path, 1, [QKClip(threshold=TAU)], model=module)
+    # What the registered attention function recorded (after RoPE) is the by-hand maximum.
+    name = "model.model.layers.0.self_attn" if kind == "llama_gqa" else "model.transformer.h.0.attn"
+    torch.testing.assert_close(fit.callback_metrics[f"qk_clip/max_logit/{name}"], s_before.max(), rtol=1e-5, atol=0)
+    assert attn.config._attn_implementation == "qk_clip_sdpa"
+    s_after = maxima()
+    assert torch.all(s_after <= TAU * (1 + ROUNDING)), s_after
+    torch.testing.assert_close(s_after[planted], torch.tensor(TAU), rtol=ROUNDING, atol=0)
+    params = dict(module.named_parameters())
+    if kind == "llama_gqa":
+        q, k = params[f"{name}.q_proj.weight"], params[f"{name}.k_proj.weight"]
+        q0, k0 = start[f"{name}.q_proj.weight"], start[f"{name}.k_proj.weight"]
+        torch.testing.assert_close(q[0:8], q0[0:8] * eta**0.5, rtol=1e-6, atol=0)
+        assert torch.equal(q[8:], q0[8:])  # Q heads 1-3 keep their weights
+        # Key head 0 serves query heads 0 and 1: it takes the smaller eta (head 0's), so
+        # head 1, under tau, shrinks too, by eta^(1 - alpha); key head 1 is untouched.
+        torch.testing.assert_close(k[0:8], k0[0:8] * eta**0.5, rtol=1e-6, atol=0)
+        assert torch.equal(k[8:], k0[8:])
+        torch.testing.assert_close(s_after[1], s_before[1] * eta**0.5, rtol=ROUNDING, atol=0)
+        assert torch.equal(s_after[2:], s_before[2:])
+    else:
+        for suffix in ("weight", "bias"):
+            w, w0 = params[f"{name}.c_attn.{suffix}"], start[f"{name}.c_attn.{suffix}"]
+            cols = torch.zeros(96, dtype=torch.bool)
+            cols[16:24] = cols[48:56] = True  # head 2 of Q, head 2 of K (columns: Conv1D's fan_out)
+            torch.testing.assert_close(w[..., cols], w0[..., cols] * eta**0.5, rtol=1e-6, atol=0)
+            assert torch.equal(w[..., ~cols], w0[..., ~cols])  # other heads and all of V
+        assert torch.equal(torch.cat([s_after[:2], s_after[3:]]), torch.cat([s_before[:2], s_before[3:]]))
+    untouched = [n for n in params if ".q_proj." not in n and ".k_proj." not in n and ".c_attn." not in n]
+    assert untouched and all(torch.equal(params[n], start[n]) for n in untouched)
+
+
+def test_checkpoint_and_resume_equal_an_uninterrupted_run(tmp_path):
+    # Muon steps with the planted heads clipped; 2 + 2 steps through a checkpoint against 4.
+    straight, fit = _fit(tmp_path / "straight", 4, [QKClip(threshold=TAU)])
+    saver = pl.callbacks.ModelCheckpoint(dirpath=tmp_path / "ckpt", every_n_train_steps=2, save_top_k=-1)
+    _fit(tmp_path / "first", 2, [QKClip(threshold=TAU), saver], enable_checkpointing=True)
+    (ckpt,) = (tmp_path / "ckpt").glob("*step=2.ckpt")
+    saved = torch.load(ckpt, weights_only=False)["callbacks"]
+    assert saved["QKClip{'threshold': 1.0, 'alpha': 0.5, 'names': None}"]["clipped_heads_total"] >= 2
+    resumed_clip = QKClip(threshold=TAU)
+    resumed = PlantedGPT()
+    fit_resumed = trainer(tmp_path / "second", 4, [resumed_clip])
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        fit_resumed.fit(resumed, ckpt_path=ckpt)
+    assert fit.callbacks[0].clipped_heads_total >= 2  # the two planted heads, at least on the first step
+    assert resumed_clip.clipped_heads_total == fit.callbacks[0].clipped_heads_total
+    for (name, a), b in zip(straight.named_parameters(), resumed.parameters()):
+        assert torch.equal(a, b), name
+
+
+@pytest.mark.distributed
+@pytest.mark.parametrize("strategy", ["muon_ddp_spawn", "muon_fsdp"])
+def test_two_ranks_equal_one_process(tmp_path, strategy):
+    # Each rank sees half of the global batch, so each rank's maxima differ; after the MAX
+    # all-reduce every rank clips alike (muon_ddp: whole replicas; muon_fsdp: its own
+    # DTensor rows of qkv, the K block split across the two ranks' shards).
+    steps = 3
+    one, fit_one = _fit(tmp_path / "one", steps, [QKClip(threshold=TAU)])
+    reference = {n: p.detach() for n, p in one.named_parameters()}
+    if strategy == "muon_ddp_spawn":  # Lightning spawns the ranks; each writes a file
+        dump = tmp_path / "dump"
+        dump.mkdir()
+        _fit(tmp_path / "two", steps, [QKClip(threshold=TAU)], model=DumpingGPT(dump_dir=str(dump)),
+             devices=2, strategy=strategy)  # fmt: skip
+        results = [torch.load(dump / f"rank{r}.pt", weights_only=True) for r in range(2)]
+    else:  # processes started as torchrun would
+        results = run_distributed(fit_worker, 2, strategy, steps, str(tmp_path / "two"))
+    assert len(results) == 2
+    for rank, result in enumerate(results):
+        assert result["step"] == steps and result["clipped"] == fit_one.callbacks[0].clipped_heads_total > 0, rank
+        for name, ref in reference.items():
+            # fp32 Newton-Schulz; only the order of the gradient sums differs (~1e-7 relative).
+            torch.testing.assert_close(
+                result["params"][name], ref, rtol=1e-5, atol=2e-6, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
+            )
