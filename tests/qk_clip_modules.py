@@ -17,7 +17,7 @@ import lightning.pytorch as pl
 import torch
 
 from lightning_muon import MuonConfig, MuonModuleMixin, QKClip
-from lightning_muon.models import CharGPT
+from lightning_muon_demo.models import CharGPT
 
 VOCAB, BLOCK, EMBD, HEADS, LAYERS, BATCH = 32, 8, 16, 2, 2, 8
 PLANT = 40.0

@@ -326,3 +326,30 @@ def test_two_ranks_equal_one_process(tmp_path, strategy):
             torch.testing.assert_close(
                 result["params"][name], ref, rtol=1e-5, atol=2e-6, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
             )
+
+
+def test_yaml_config_trains_with_qk_clip_and_logs_to_csv(tmp_path):
+    # examples/qk_clip/config.yaml through the CLI, shrunk; a threshold the fresh demo GPT's
+    # logits already exceed, so heads are clipped from the first step.
+    from lightning_muon.cli import MuonCLI
+
+    args = [
+        "fit", f"--config={ROOT / 'examples/qk_clip/config.yaml'}", "--trainer.max_steps=2",
+        "--trainer.val_check_interval=2", "--trainer.limit_val_batches=1", "--trainer.enable_progress_bar=false",
+        f"--trainer.logger.init_args.save_dir={tmp_path}", f"--trainer.default_root_dir={tmp_path}",
+        "--trainer.callbacks.init_args.threshold=0.01", "--model.init_args.n_layer=1",
+        "--model.init_args.n_embd=32", "--model.init_args.block_size=16", "--data.init_args.block_size=16",
+        "--data.init_args.max_chars=20000", "--data.init_args.batch_size=4", "--data.init_args.val_samples=8",
+    ]  # fmt: skip
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        cli = MuonCLI(args=args)
+    (clip,) = [c for c in cli.trainer.callbacks if isinstance(c, QKClip)]
+    assert (clip.threshold, clip.alpha, clip.clip) == (0.01, 0.5, True)
+    import csv
+
+    (metrics,) = tmp_path.rglob("metrics.csv")
+    rows = [r for r in csv.DictReader(metrics.open()) if r.get("qk_clip/clipped_heads")]
+    assert len(rows) == 2
+    assert {"qk_clip/max_logit", "qk_clip/max_logit/model.blocks.0.attn"} <= rows[0].keys()
+    assert float(rows[0]["qk_clip/clipped_heads"]) > 0 and float(rows[0]["qk_clip/max_logit"]) > 0.01
