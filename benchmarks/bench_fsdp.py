@@ -26,63 +26,63 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import contextlib
-import functools
-import inspect
-import json
 import math
-import os
-import platform
-import socket
 import statistics
 import sys
-import tempfile
 import time
-from collections import Counter
-from dataclasses import asdict, dataclass
+from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import Tensor
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness is a sibling script
+from counting import NSCounter, WireCounter
+from harness import (
+    RankSettings,
+    add_rank_arguments,
+    char_batch,
+    char_gpt,
+    check_rank_arguments,
+    describe_machine,
+    fixed_cell,
+    machine_line,
+    run_ranks,
+    slowest_rank_median,
+    sync,
+    table,
+    target,
+    verdict,
+    write_report,
+)
 
 import lightning_muon.functional as functional
 from lightning_muon import Muon, route_parameters
 from lightning_muon.distributed.fsdp import MuonFSDPSharding, _matrix_shape, shard_rows
-from lightning_muon.newton_schulz import ns_flops_as_run
 from lightning_muon_demo.models import CharGPT
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_fsdp.json"
 CONFIGS = ("adamw", "owner", "gather_all", "blockwise")
 TIMES = ("step", "optimizer", "optimizer_cpu")
-VOCAB = 256
 LR, WEIGHT_DECAY, ADAMW_LR = 0.02, 0.01, 3e-4
 
-# Targets (issue 5, point 5).
+# The collectives counted: FSDP2's all-gathers and reduce-scatters, the shardings' all-to-all
+# and all-gather, and the per-step agreement on finiteness (all-reduce).
+WIRE_OPS = ("all_gather_single", "reduce_scatter_single", "all_to_all_single", "all_reduce", "all_gather_into_tensor")
+
+# Targets (benchmarks/README.md, "bench_fsdp.py").
 FLOPS_SLACK = 1.1  # owner: busiest rank's Newton-Schulz FLOPs <= FLOPS_SLACK / W of the total
 MUON_BYTES_SLACK = 0.02  # owner's Muon bytes / gather_all's <= 2 / W + slack (the analytic ratio)
 
 
-@dataclass(frozen=True)
-class Settings:
-    quick: bool
-    world_size: int
-    threads: int
-    n_layer: int
-    n_embd: int
-    n_head: int
-    block_size: int
-    batch: int
-    """Sequences per rank; the single process takes ``world_size * batch``."""
-    warmup: int
-    steps: int
-    """Timed training steps per configuration after ``warmup`` untimed ones; bytes and FLOPs are per step."""
+@dataclass(frozen=True, kw_only=True)
+class Settings(RankSettings):
+    """The shared world and model (``harness.RankSettings``); bytes and FLOPs are per timed step."""
+
     ns_dtype: str | None = None
     """Newton-Schulz dtype; None is the automatic policy (bf16 where this host's bf16 matmul is fast)."""
-    device: str = "cpu"
-    """``"cpu"`` (gloo ranks) or ``"cuda"`` (NCCL ranks, rank r on ``cuda:r``)."""
 
 
 class GatherAllSharding(MuonFSDPSharding):
@@ -123,94 +123,13 @@ class GatherAllSharding(MuonFSDPSharding):
         return out
 
 
-# ---------------------------------------------------------------- counting
-
-
-class Counters:
-    """Bytes this rank sends and Newton-Schulz FLOPs it runs, per configuration (``phase``).
-
-    Bytes follow the bandwidth-optimal algorithms per rank, as ``CommStats``: all-gather
-    (W - 1) x the local piece, reduce-scatter (W - 1) / W of the input, all-reduce
-    2 (W - 1) / W, all-to-all the elements addressed to other ranks.
-    """
-
-    OPS = ("all_gather_single", "reduce_scatter_single", "all_to_all_single", "all_reduce", "all_gather_into_tensor")
-
-    def __init__(self, rank: int, world_size: int) -> None:
-        self.rank, self.world = rank, world_size
-        self.phase: str | None = None
-        self.bytes: dict[str, Counter[str]] = {}
-        self.flops: Counter[str] = Counter()
-        self.matrices: Counter[str] = Counter()
-
-    def install(self) -> None:
-        for op in self.OPS:
-            setattr(dist, op, self._count_bytes(op, getattr(dist, op)))
-        functional.orthogonalize_many = self._count_flops(functional.orthogonalize_many)
-
-    def _count_bytes(self, op: str, original: Any) -> Any:
-        signature = inspect.signature(original)
-
-        @functools.wraps(original)
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            if self.phase is not None:
-                a = signature.bind(*args, **kwargs).arguments
-                self.bytes.setdefault(self.phase, Counter())[op] += self._sent(op, a)
-            return original(*args, **kwargs)
-
-        return counted
-
-    def _sent(self, op: str, a: dict[str, Any]) -> float:
-        w = self.world
-        if op == "all_to_all_single":
-            x, splits = a["input"], a.get("input_split_sizes")
-            own = splits[self.rank] if splits else x.numel() // w
-            return float((x.numel() - own) * x.element_size())
-        x = a.get("input_tensor", a.get("input", a.get("tensor")))
-        nbytes = x.numel() * x.element_size()
-        if op in ("all_gather_single", "all_gather_into_tensor"):
-            return float((w - 1) * nbytes)
-        if op == "reduce_scatter_single":
-            return (w - 1) / w * nbytes
-        return 2.0 * (w - 1) / w * nbytes  # all_reduce
-
-    def _count_flops(self, original: Any) -> Any:
-        signature = inspect.signature(original)
-
-        @functools.wraps(original)
-        def counted(*args: Any, **kwargs: Any) -> Any:
-            if self.phase is not None:
-                a = signature.bind(*args, **kwargs)
-                a.apply_defaults()
-                for M in a.arguments["matrices"]:
-                    rows, cols = M.shape[-2:]
-                    self.flops[self.phase] += ns_flops_as_run(
-                        M, a.arguments["steps"], a.arguments["method"], a.arguments["dtype"]
-                    )
-                    self.matrices[self.phase] += M.numel() // max(1, rows * cols)
-            return original(*args, **kwargs)
-
-        return counted
-
-
 # ---------------------------------------------------------------- one rank
-
-
-def _sync(device: str) -> None:
-    # CUDA runs asynchronously: a clock read must wait for this rank's queued kernels.
-    if device == "cuda":
-        torch.cuda.synchronize()
-
-
-def _model(s: Settings) -> CharGPT:
-    torch.manual_seed(0)  # initialized on the CPU, so every rank and device starts from the same weights
-    return CharGPT(VOCAB, s.block_size, n_layer=s.n_layer, n_head=s.n_head, n_embd=s.n_embd).to(s.device)
 
 
 def _sharded(name: str, s: Settings, mesh: Any) -> tuple[CharGPT, torch.optim.Optimizer, MuonFSDPSharding | None]:
     from torch.distributed.fsdp import fully_shard
 
-    model = _model(s)
+    model = char_gpt(s)
     for block in model.blocks:  # what MuonFSDPStrategy's default sharding makes of CharGPT
         fully_shard(block, mesh=mesh)
     fully_shard(model, mesh=mesh)
@@ -221,12 +140,6 @@ def _sharded(name: str, s: Settings, mesh: Any) -> tuple[CharGPT, torch.optim.Op
     return model, opt, sharding
 
 
-def _batch(s: Settings, step: int, lo: int, hi: int) -> tuple[Tensor, Tensor]:
-    gen = torch.Generator().manual_seed(1000 + step)
-    tokens = torch.randint(VOCAB, (s.world_size * s.batch, s.block_size + 1), generator=gen)[lo:hi]
-    return tokens[:, :-1].to(s.device), tokens[:, 1:].to(s.device)
-
-
 def _train_step(
     model: CharGPT, opt: torch.optim.Optimizer, x: Tensor, y: Tensor, barrier: bool, device: str = "cpu"
 ) -> dict[str, float]:
@@ -234,13 +147,13 @@ def _train_step(
     opt.zero_grad(set_to_none=True)
     if barrier:
         dist.barrier()  # ranks start together: the slowest rank's time is the step's time
-    _sync(device)
+    sync(device)
     start = time.perf_counter()
     CharGPT.loss(model(x), y).backward()
-    _sync(device)
+    sync(device)
     middle, middle_cpu = time.perf_counter(), time.process_time()
     opt.step()
-    _sync(device)
+    sync(device)
     end, end_cpu = time.perf_counter(), time.process_time()
     # CPU time of this process's threads (gloo's too): not stretched when other processes
     # take the cores, so it shows the work when wall times are distorted by load. On CUDA it
@@ -248,15 +161,15 @@ def _train_step(
     return {"step": end - start, "optimizer": end - middle, "optimizer_cpu": end_cpu - middle_cpu}
 
 
-def _rank_main(rank: int, s: Settings) -> dict[str, Any]:
+def _rank_main(rank: int, w: int, s: Settings) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
-    w = s.world_size
-    counters = Counters(rank, w)
-    counters.install()
+    wire, ns = WireCounter(rank, w, WIRE_OPS), NSCounter(s.device)
+    wire.install()
+    ns.install()
     mesh = init_device_mesh(s.device, (w,))
     runs = {name: _sharded(name, s, mesh) for name in CONFIGS}
-    single = _model(s) if rank == 0 else None
+    single = char_gpt(s) if rank == 0 else None
     single_opt = (
         Muon(route_parameters(single), lr=LR, weight_decay=WEIGHT_DECAY, adamw_lr=ADAMW_LR, ns_dtype=s.ns_dtype)
         if single
@@ -269,19 +182,19 @@ def _rank_main(rank: int, s: Settings) -> dict[str, Any]:
             for _, _, sharding in runs.values():
                 if sharding is not None:
                     sharding.stats.reset()  # count the timed steps only, as the wrapper does
-        x, y = _batch(s, step, rank * s.batch, (rank + 1) * s.batch)
+        x, y = char_batch(s, step, rank * s.batch, (rank + 1) * s.batch)
         for name, (model, opt, _) in runs.items():
-            counters.phase = name if counted else None
+            wire.phase = ns.phase = name if counted else None
             for key, value in _train_step(model, opt, x, y, barrier=True, device=s.device).items():
                 times[name][key].append(value)
-            counters.phase = None
+            wire.phase = ns.phase = None
         # The single process runs on rank 0 while the others wait at the barrier below.
         if single is not None:
-            counters.phase = "single" if counted else None
-            single_step = _train_step(single, single_opt, *_batch(s, step, 0, w * s.batch), False, s.device)
+            wire.phase = ns.phase = "single" if counted else None
+            single_step = _train_step(single, single_opt, *char_batch(s, step, 0, w * s.batch), False, s.device)
             for key, value in single_step.items():
                 times["single"][key].append(value)
-            counters.phase = None
+            wire.phase = ns.phase = None
         dist.barrier()
     for series in times.values():
         for values in series.values():
@@ -297,9 +210,9 @@ def _rank_main(rank: int, s: Settings) -> dict[str, Any]:
         "expected_owner_bytes": _expected_owner_bytes(owner, rank, s.ns_dtype),
         "configs": {
             name: {
-                "bytes_per_step": {k: v / s.steps for k, v in counters.bytes.get(name, {}).items()},
-                "ns_flops_per_step": counters.flops[name] / s.steps,
-                "ns_matrices_per_step": counters.matrices[name] / s.steps,
+                "bytes_per_step": {k: v / s.steps for k, v in wire.bytes.get(name, {}).items()},
+                "ns_flops_per_step": ns.flops[name] / s.steps,
+                "ns_matrices_per_step": ns.matrices[name] / s.steps,
                 "sharding_bytes_per_step": (
                     {k: v / s.steps for k, v in runs[name][2].stats.bytes.items()} if runs[name][2] else {}
                 ),
@@ -309,8 +222,8 @@ def _rank_main(rank: int, s: Settings) -> dict[str, Any]:
         },
         "single": (
             {
-                "ns_flops_per_step": counters.flops["single"] / s.steps,
-                "ns_matrices_per_step": counters.matrices["single"] / s.steps,
+                "ns_flops_per_step": ns.flops["single"] / s.steps,
+                "ns_matrices_per_step": ns.matrices["single"] / s.steps,
                 "times_s": times["single"],
             }
             if rank == 0
@@ -329,41 +242,12 @@ def _expected_owner_bytes(sharding: MuonFSDPSharding, rank: int, ns_dtype: str |
     return float(total * itemsize)
 
 
-def _worker(rank: int, s: Settings, port: int, out_dir: str) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(s.threads)
-    if s.device == "cuda":
-        # NCCL: one GPU per rank; "cuda" below (models, batches, mesh) means this rank's GPU.
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=s.world_size, device_id=torch.device("cuda", rank))
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=s.world_size)
-    try:
-        (Path(out_dir) / f"rank{rank}.json").write_text(json.dumps(_rank_main(rank, s)))
-    finally:
-        dist.destroy_process_group()
-
-
-def run_ranks(s: Settings) -> list[dict[str, Any]]:
-    with socket.socket() as sock:
-        sock.bind(("127.0.0.1", 0))
-        port = sock.getsockname()[1]
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(s, port, out_dir), nprocs=s.world_size, join=True)
-        return [json.loads((Path(out_dir) / f"rank{r}.json").read_text()) for r in range(s.world_size)]
+def rank_results(s: Settings) -> list[dict[str, Any]]:
+    """Every rank's raw counts and times, from ``s.world_size`` spawned processes."""
+    return run_ranks(_rank_main, s.world_size, s, backend=s.backend, threads=s.threads)
 
 
 # ---------------------------------------------------------------- summary and report
-
-
-def _target(name: str, value: float, bound: float) -> dict[str, Any]:
-    return {"name": name, "value": value, "op": "<=", "bound": bound, "passed": bool(value <= bound)}
-
-
-def _slowest_median(ranks: list[dict[str, Any]], config: str, key: str) -> float:
-    # Step by step the slowest rank sets the pace; the median over steps drops outliers.
-    per_step = zip(*(r["configs"][config]["times_s"][key] for r in ranks))
-    return statistics.median(max(values) for values in per_step)
 
 
 def summarize(s: Settings, ranks: list[dict[str, Any]]) -> dict[str, Any]:
@@ -390,7 +274,7 @@ def summarize(s: Settings, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     single_times = {k: statistics.median(v) for k, v in first["single"]["times_s"].items()}
     times = {
         "single": single_times,
-        **{c: {k: _slowest_median(ranks, c, k) for k in TIMES} for c in CONFIGS},
+        **{c: {k: slowest_rank_median(ranks, c, k) for k in TIMES} for c in CONFIGS},
     }
     for c in CONFIGS:
         for k in TIMES:
@@ -402,8 +286,8 @@ def summarize(s: Settings, ranks: list[dict[str, Any]]) -> dict[str, Any]:
                 if key in entry:
                     entry[key] = None
     targets = [
-        _target(f"owner: NS FLOPs, busiest rank / all <= {FLOPS_SLACK}/W", max_share, FLOPS_SLACK / w),
-        _target("owner: Muon bytes / gather_all's <= 2/W (+2%)", muon_ratio, 2 / w + MUON_BYTES_SLACK),
+        target(f"owner: NS FLOPs, busiest rank / all <= {FLOPS_SLACK}/W", max_share, "<=", FLOPS_SLACK / w),
+        target("owner: Muon bytes / gather_all's <= 2/W (+2%)", muon_ratio, "<=", 2 / w + MUON_BYTES_SLACK),
     ]
     return {
         "bytes": bytes_,
@@ -436,17 +320,6 @@ def projection(s: Settings, first: dict[str, Any], summary: dict[str, Any], worl
             }
         )
     return rows
-
-
-def _table(headers: list[str], rows: list[list[Any]]) -> str:
-    cells = [[f"{v:.3f}" if isinstance(v, float) else str(v) for v in row] for row in rows]
-    widths = [max(len(h), *(len(r[i]) for r in cells)) for i, h in enumerate(headers)]
-    left = [all(isinstance(row[i], str) for row in rows) for i in range(len(headers))]
-
-    def line(values: list[str]) -> str:
-        return "  ".join(v.ljust(n) if lf else v.rjust(n) for v, n, lf in zip(values, widths, left)).rstrip()
-
-    return "\n".join([line(headers), "  ".join("-" * n for n in widths), *(line(r) for r in cells)])
 
 
 def print_report(s: Settings, ranks: list[dict[str, Any]], summary: dict[str, Any]) -> None:
@@ -483,7 +356,7 @@ def print_report(s: Settings, ranks: list[dict[str, Any]], summary: dict[str, An
     rows[-1] += [*([single["optimizer_cpu"] * 1e3, 1.0] if cpu else []), single["step"] * 1e3, 1.0]
     headers = ["config", "FSDP MB", "Muon MB", "total MB", "/ adamw", "NS GFLOP", "opt ms", "/ 1 proc"]
     headers += ["opt CPU ms", "/ 1 proc"] if cpu else []
-    print(_table([*headers, "step ms", "/ 1 proc"], rows))
+    print(table([*headers, "step ms", "/ 1 proc"], rows, fixed_cell))
     print(
         "MB sent per step by the busiest rank (all calls to torch.distributed, counted by a wrapper; Muon = the\n"
         "sharding's own count, FSDP = the rest); NS GFLOP = Newton-Schulz work of the busiest rank; times: slowest\n"
@@ -496,60 +369,24 @@ def print_report(s: Settings, ranks: list[dict[str, Any]], summary: dict[str, An
     print("\n== Muon MB per rank and step at larger W (formulas; the measured W checks them) ==")
     proj = projection(s, first, summary)
     print(
-        _table(
+        table(
             ["W", "owner", "gather_all", "FSDP2 (AdamW)"],
             [[p["world_size"], p["owner_mb"], p["gather_all_mb"], p["fsdp_mb"]] for p in proj],
+            fixed_cell,
         )
     )
-    for target in summary["targets"]:
-        verdict = "ok" if target["passed"] else "MISS"
-        print(f"target {target['name']}: {target['value']:.3f} {target['op']} {target['bound']:.3f} {verdict}")
-
-
-def describe_machine(device: str = "cpu") -> dict[str, Any]:
-    cpu = platform.processor() or platform.machine()
-    with contextlib.suppress(OSError, StopIteration):  # no /proc/cpuinfo, or no model name in it
-        cpu = next(
-            line.split(":", 1)[1].strip()
-            for line in Path("/proc/cpuinfo").read_text().splitlines()
-            if line.startswith("model name")
-        )
-    info = {
-        "cpu": cpu,
-        "cpu_cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "load_avg_1m_at_start": os.getloadavg()[0] if hasattr(os, "getloadavg") else -1.0,
-    }
-    if device == "cuda":
-        info["gpu"] = torch.cuda.get_device_name(0)
-        info["gpu_count"] = torch.cuda.device_count()
-        info["cuda"] = torch.version.cuda
-    return info
+    for t in summary["targets"]:
+        print(f"target {t['name']}: {t['value']:.3f} {t['op']} {t['bound']:.3f} {verdict(t['passed'])}")
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="tiny model, 2 timed steps (a smoke test)")
-    parser.add_argument("--world-size", type=int, default=2, help="gloo ranks (default 2)")
-    parser.add_argument("--threads", type=int, default=1, help="torch threads per process (default 1)")
+    add_rank_arguments(parser, DEFAULT_OUT, quick_help="tiny model, 2 timed steps (a smoke test)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 8; 2 with --quick)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
     parser.add_argument(
         "--ns-dtype", choices=("float32", "bfloat16"), default=None, help="Newton-Schulz dtype (default: automatic)"
     )
-    parser.add_argument(
-        "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo (default); cuda: NCCL, rank r on cuda:r"
-    )
-    args = parser.parse_args(argv)
-    if args.world_size < 2 or args.threads < 1 or (args.steps is not None and args.steps < 1):
-        parser.error("--world-size must be at least 2, --threads and --steps positive")
-    if args.device == "cuda" and args.world_size > torch.cuda.device_count():
-        parser.error(
-            f"--device cuda needs one GPU per rank (NCCL): --world-size {args.world_size}, "
-            f"but torch.cuda.device_count() is {torch.cuda.device_count()}"
-        )
-    return args
+    return check_rank_arguments(parser, parser.parse_args(argv))
 
 
 def settings_from_args(args: argparse.Namespace) -> Settings:
@@ -570,32 +407,25 @@ def settings_from_args(args: argparse.Namespace) -> Settings:
     )
 
 
-def _settings_json(s: Settings) -> dict[str, Any]:
-    settings = asdict(s)
-    if s.device == "cpu":
-        del settings["device"]  # CPU reports keep the keys they had before --device existed
-    return settings
-
-
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
     s = settings_from_args(args)
     machine = describe_machine(s.device)
     print(f"lightning_muon FSDP2 benchmark ({'quick' if s.quick else 'full'}), {time.strftime('%Y-%m-%d %H:%M:%S')}")
-    gpus = f"; {s.world_size} NCCL ranks on cuda:0-{s.world_size - 1} ({machine['gpu']})" if s.device == "cuda" else ""
-    print(
-        f"machine: {machine['cpu']}, {machine['cpu_cores']} cores, torch {machine['torch']}, "
-        f"CPU capability {machine['cpu_capability']}{gpus}; load average {machine['load_avg_1m_at_start']:.2f}"
-    )
+    ranks_on = f"{s.world_size} gloo ranks"
+    if s.device == "cuda":
+        ranks_on = f"{s.world_size} NCCL ranks on cuda:0-{s.world_size - 1} ({machine['gpu']})"
+    print(f"machine: {machine_line(machine)}")
+    print(f"ranks: {ranks_on} x {s.threads} torch thread(s), baseline 1 process x {s.threads} thread(s)")
     start = time.perf_counter()
-    ranks = run_ranks(s)
+    ranks = rank_results(s)
     summary = summarize(s, ranks)
     print_report(s, ranks, summary)
     elapsed = time.perf_counter() - start
     print(f"total {elapsed:.1f} s")
     report = {
         "machine": machine,
-        "settings": _settings_json(s),
+        "settings": s.as_json(),
         **summary,
         "projection": projection(s, ranks[0], summary),
         "targets_passed": sum(t["passed"] for t in summary["targets"]),
@@ -603,9 +433,7 @@ def main(argv: list[str] | None = None) -> int:
         "ranks": ranks,
         "elapsed_s": elapsed,
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=1, allow_nan=False) + "\n")
-    print(f"wrote {args.out}")
+    write_report(args.out, report)
     return 0
 
 

@@ -39,7 +39,10 @@ from typing import Any
 
 import torch
 
-from lightning_muon_demo.experiment import RunSpec, machine_name, steps_to_reach, train
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness is a sibling script
+from harness import describe_machine, machine_line
+
+from lightning_muon_demo.experiment import RunSpec, steps_to_reach, train
 
 # The runs at the chosen lrs, by name; the optimizer is the name's first word.
 VARIANTS: dict[str, dict[str, str]] = {
@@ -170,9 +173,7 @@ def main(argv: list[str] | None = None) -> int:
         args.steps, args.eval_every = 6, 3
     tokens = args.steps * model["batch_size"] * model["block_size"]
     budget = f"{args.steps} steps x {model['batch_size']} x {model['block_size']} tokens = {tokens:,} tokens per run"
-    machine = machine_name(args.device)
-    if torch.device(args.device).type == "cuda":
-        machine += f"; runs on {args.device}"
+    machine = machine_line(describe_machine(args.device))
     start = time.perf_counter()
     result = run_benchmark(args.steps, args.eval_every, muon_lrs, adamw_lrs, seeds, model, args.device)
     print_table(result, machine, budget)

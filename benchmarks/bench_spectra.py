@@ -37,7 +37,7 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_optimizer import describe_machine  # a sibling script, not a package
+from harness import describe_machine, machine_line, sync  # a sibling script, not a package
 
 from lightning_muon import UpdateSpectrumMonitor
 from lightning_muon_demo.data import CharTextDataModule
@@ -51,12 +51,6 @@ DEMO = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=32)
 QUICK = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8)
 
 
-def _sync(device: torch.device) -> None:
-    # CUDA runs asynchronously: without this a clock would read before queued kernels ran.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class _Clock(pl.Callback):
     """Wall time from the first training batch to the end of training (setup excluded)."""
 
@@ -64,11 +58,11 @@ class _Clock(pl.Callback):
         self.start = self.end = 0.0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _sync(pl_module.device)
+        sync(pl_module.device)
         self.start = time.perf_counter()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _sync(pl_module.device)
+        sync(pl_module.device)
         self.end = time.perf_counter()
 
 
@@ -84,13 +78,13 @@ class _TimedMonitor(UpdateSpectrumMonitor):
         # On CUDA, calls that launch kernels are timed between synchronizations: the training
         # work queued before them is not theirs, their own kernels are.
         if device_work:
-            _sync(self.device)
+            sync(self.device)
         t0 = time.perf_counter()
         try:
             return fn(*args)
         finally:
             if device_work:
-                _sync(self.device)
+                sync(self.device)
             self.inside += time.perf_counter() - t0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -193,10 +187,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = describe_machine(device)
     # On CUDA the GPU is what runs the model: the lines below name it.
     gpu = f", GPU {machine['gpu']} ({device})" if device.type == "cuda" else ""
-    print(
-        f"machine: {machine['cpu']}, {machine['cpu_cores']} cores ({machine['torch_threads']} torch threads), "
-        f"torch {machine['torch']}{gpu}; load average {machine['load_avg_1m_at_start']:.2f}"
-    )
+    print(f"machine: {machine_line(machine)}")
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
