@@ -15,7 +15,8 @@ import torch
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("accuracy", "step", "roofline", "batching", "gram")
-BENCHMARKS = sorted((ROOT / "benchmarks").glob("bench_*.py"))  # the scripts; the rest are their modules
+# The scripts (they run as __main__); the other files in benchmarks/ are their modules.
+BENCHMARKS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
 
 
 def _leaves(value):
