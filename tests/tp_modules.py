@@ -1,0 +1,220 @@
+"""Module-level code for the tensor-parallel tests: spawned gloo workers import it by name.
+
+``TinyTPTransformer`` is a 2-block causal transformer whose ``configure_model`` applies
+tensor parallelism (``parallelize_module`` on the mesh's ``"tensor_parallel"`` dim: q, k,
+v and fc1 colwise, proj and fc2 rowwise) and then FSDP2 (``fully_shard`` on
+``"data_parallel"``), the layout of Lightning's ``ModelParallelStrategy``. It has every
+case the TP sharding meets:
+
+- q (16 x 16) colwise: split along dim 0, the short side of a square matrix's wide form;
+- k, v (8 x 16, grouped-query attention) colwise: split along the short side;
+- proj (16 x 16), fc2 (16 x 32) rowwise, fc1 (32 x 16) colwise: split along the long side;
+- ``mix`` (16 x 16): a Muon matrix left out of the TP plan, so FSDP2 puts it on the 1-D
+  data-parallel mesh beside the 2-D ones;
+- embeddings, head, norms and biases on AdamW (colwise biases are ``Shard(0)`` on the
+  tensor dim, rowwise ones and norms replicated).
+
+Without a device mesh (one process, no strategy) ``configure_model`` does nothing: that is
+the single-process reference. Every optimizer step sees the same ``SAMPLES`` sequences,
+split by the data-parallel rank only (tensor-parallel peers see the same batch).
+"""
+
+from __future__ import annotations
+
+import os
+from pathlib import Path
+from typing import Any
+
+import lightning.pytorch as pl
+import torch
+from torch import nn
+
+from lightning_muon import MuonConfig, MuonModuleMixin
+
+VOCAB, D_MODEL, HEADS, KV_HEADS, HIDDEN, SEQ = 12, 16, 4, 2, 32, 6
+SAMPLES = 8  # sequences per optimizer step: divisible by every data-parallel size tried (1, 2, 4)
+
+
+class Attention(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.head_dim = D_MODEL // HEADS
+        self.q = nn.Linear(D_MODEL, HEADS * self.head_dim)
+        self.k = nn.Linear(D_MODEL, KV_HEADS * self.head_dim)
+        self.v = nn.Linear(D_MODEL, KV_HEADS * self.head_dim)
+        self.proj = nn.Linear(HEADS * self.head_dim, D_MODEL)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        B, T, _ = x.shape
+        # Under ColwiseParallel each rank holds whole heads of q, k and v: local sizes.
+        q = self.q(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hq_local, T, hd)
+        k = self.k(x).view(B, T, -1, self.head_dim).transpose(1, 2)  # (B, Hkv_local, T, hd)
+        v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
+        group = q.shape[1] // k.shape[1]  # query heads per kv head, the same on every rank
+        k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
+        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+
+class Block(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.ln1 = nn.LayerNorm(D_MODEL)
+        self.attn = Attention()
+        self.ln2 = nn.LayerNorm(D_MODEL)
+        self.fc1 = nn.Linear(D_MODEL, HIDDEN)
+        self.fc2 = nn.Linear(HIDDEN, D_MODEL)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        x = x + self.attn(self.ln1(x))
+        return x + self.fc2(nn.functional.gelu(self.fc1(self.ln2(x))))
+
+
+class Net(nn.Module):
+    def __init__(self) -> None:
+        super().__init__()
+        self.tok = nn.Embedding(VOCAB, D_MODEL)
+        self.pos = nn.Embedding(SEQ, D_MODEL)
+        self.blocks = nn.ModuleList([Block(), Block()])
+        self.mix = nn.Linear(D_MODEL, D_MODEL, bias=False)  # not in the TP plan: 1-D mesh
+        self.ln_f = nn.LayerNorm(D_MODEL)
+        self.head = nn.Linear(D_MODEL, VOCAB, bias=False)
+
+    def forward(self, idx: torch.Tensor) -> torch.Tensor:
+        x = self.tok(idx) + self.pos(torch.arange(idx.shape[1], device=idx.device))
+        for block in self.blocks:
+            x = block(x)
+        return self.head(self.ln_f(self.mix(x)))
+
+
+def apply_tp_fsdp(net: Net, mesh) -> None:
+    """Tensor parallelism on ``mesh["tensor_parallel"]``, then FSDP2 on ``mesh["data_parallel"]``."""
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    tp, dp = mesh["tensor_parallel"], mesh["data_parallel"]
+    plan = {
+        "attn.q": ColwiseParallel(),
+        "attn.k": ColwiseParallel(),
+        "attn.v": ColwiseParallel(),
+        "attn.proj": RowwiseParallel(),
+        "fc1": ColwiseParallel(),
+        "fc2": RowwiseParallel(),
+    }
+    for block in net.blocks:
+        parallelize_module(block, tp, plan)
+        fully_shard(block, mesh=dp)
+    fully_shard(net, mesh=dp)
+
+
+def tokens() -> torch.Tensor:
+    return torch.randint(0, VOCAB, (SAMPLES, SEQ + 1), generator=torch.Generator().manual_seed(3))
+
+
+class TinyTPTransformer(MuonModuleMixin, pl.LightningModule):
+    """The tiny transformer, tensor parallel + FSDP2 under a 2-D mesh, plain on one process."""
+
+    def __init__(self, muon_config: MuonConfig | None = None) -> None:
+        super().__init__()
+        self.save_hyperparameters()
+        torch.manual_seed(0)
+        self.net = Net()
+
+    def configure_model(self) -> None:
+        if self.device_mesh is not None:
+            apply_tp_fsdp(self.net, self.device_mesh)
+
+    def train_dataloader(self):
+        data = tokens()
+        if self.device_mesh is not None:  # split by the data-parallel rank only
+            dp = self.device_mesh["data_parallel"]
+            data = data.chunk(dp.size())[dp.get_local_rank()]
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=len(data))
+
+    def training_step(self, batch, batch_idx):
+        (seq,) = batch
+        logits = self.net(seq[:, :-1])
+        return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
+
+
+CONFIG = dict(
+    lr=0.02,
+    weight_decay=0.1,
+    ns_dtype="float32",  # bf16 Newton-Schulz turns one-ulp differences into percents
+    adjust_lr="spectral_norm",  # sqrt(rows / cols): wrong if a shard's shape were used
+    adamw_lr=1e-2,
+    warmup=2,
+)
+
+
+def trainer_kwargs(root: Path, max_steps: int, clip: float | None) -> dict[str, Any]:
+    return dict(
+        accelerator="cpu",
+        max_steps=max_steps,
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        gradient_clip_val=clip,
+        use_distributed_sampler=False,
+        num_sanity_val_steps=0,
+    )
+
+
+def full_params(model: pl.LightningModule) -> dict[str, torch.Tensor]:
+    """Every parameter as a full plain tensor (DTensors gathered), by name."""
+    from torch.distributed.tensor import DTensor
+
+    return {
+        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()
+    }
+
+
+def reference_fit(root: Path, max_steps: int, clip: float | None = None, **config: Any) -> dict[str, torch.Tensor]:
+    """The single-process reference: the same module and optimizer, no strategy."""
+    model = TinyTPTransformer(MuonConfig(**{**CONFIG, **config}))
+    trainer = pl.Trainer(devices=1, enable_checkpointing=False, **trainer_kwargs(root, max_steps, clip))
+    trainer.fit(model)
+    return full_params(model)
+
+
+def tp_fit_worker(rank: int, world_size: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
+    """Several ``Trainer.fit`` runs with ``MuonFSDPStrategy`` on this rank, one after the other."""
+    from lightning_muon import MuonFSDPStrategy
+
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes made outside Lightning
+    out = []
+    for spec in runs:
+        model = TinyTPTransformer(MuonConfig(**{**CONFIG, **spec.get("config", {})}))
+        callbacks = list(spec.get("callbacks", []))
+        if spec.get("save_every"):
+            callbacks.append(
+                pl.callbacks.ModelCheckpoint(
+                    dirpath=spec["root"] / "ckpt", every_n_train_steps=spec["save_every"], save_top_k=-1
+                )
+            )
+        strategy = MuonFSDPStrategy(
+            tensor_parallel_size=spec.get("tp", 2), tp_mode=spec.get("tp_mode", "duplicated")
+        )
+        trainer = pl.Trainer(
+            devices=world_size,
+            strategy=strategy,
+            callbacks=callbacks,
+            enable_checkpointing=bool(spec.get("save_every")),
+            **trainer_kwargs(spec["root"], spec["max_steps"], spec.get("clip")),
+        )
+        trainer.fit(model, ckpt_path=spec.get("ckpt_path"))
+        sharding = trainer.optimizers[0]._sharding
+        out.append(
+            {
+                "params": full_params(model),
+                "global_step": trainer.global_step,
+                "bytes": {k: dict(v.bytes) for k, v in sharding.stats_by_dim.items()},
+                "placements": {
+                    n: (p.device_mesh.ndim, str(tuple(p.placements))) if hasattr(p, "placements") else None
+                    for n, p in model.named_parameters()
+                },
+                "extra": spec["extra"](trainer, model) if "extra" in spec else None,
+            }
+        )
+    return out
