@@ -35,6 +35,7 @@ _OPTIMIZER_FIELDS = (
     "sign_momentum",
     "weight_decay_form",
     "ns_method",
+    "tp_mode",
     "adamw_lr",
     "adamw_betas",
     "adamw_eps",
@@ -117,6 +118,9 @@ class MuonConfig:
     """Muon weight decay: "decoupled" or "cautious" (only where update and weight agree in sign)."""
     ns_method: str = "auto"
     """Newton-Schulz iteration: "auto", "standard" or "gram" (Gram Newton-Schulz)."""
+    tp_mode: str = "duplicated"
+    """Matrices split by tensor parallelism: "duplicated" (exact: gathered whole in the group),
+    "distributed" (exact: Gram matrices all-reduced, no whole matrix) or "blockwise" (approximate)."""
     # --- Megatron-Core names (mapped onto the fields above) -----------------------------
     coefficient_type: str | None = None
     """Megatron's schedule name: simple, quintic, polar_express, aol or custom (-> ns_coefficients)."""

@@ -13,6 +13,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_muon.distributed.tp_math import TP_MODES
 from lightning_muon.functional import (
     ADJUST_LR_ALIASES,
     ADJUST_LR_MODES,
@@ -119,6 +120,12 @@ class Muon(Optimizer):
         sign_momentum: orthogonalize ``sign(U)`` instead of ``U``.
         weight_decay_form: ``"decoupled"`` (default) or ``"cautious"``.
         ns_method: ``"auto"`` (default), ``"standard"`` or ``"gram"``.
+        tp_mode: for matrices split by tensor parallelism (``MuonFSDPStrategy`` with
+            ``tensor_parallel_size > 1``; ignored elsewhere, where no matrix is split):
+            ``"duplicated"`` (the whole matrix gathered and orthogonalized on every rank of
+            the group; exact), ``"distributed"`` (Newton-Schulz on the blocks, Gram matrices
+            summed across the group; exact) or ``"blockwise"`` (each block alone; an
+            approximation). Megatron-Core's names.
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW group defaults.
         lion_lr, lion_betas, lion_weight_decay: Lion group defaults (lr defaults to
             ``adamw_lr``; Lion usually wants 3-10x less).
@@ -165,6 +172,7 @@ class Muon(Optimizer):
         sign_momentum: bool = False,
         weight_decay_form: str = "decoupled",
         ns_method: str = "auto",
+        tp_mode: str = "duplicated",
         adamw_lr: float = 3e-4,
         adamw_betas: tuple[float, float] = (0.9, 0.95),
         adamw_eps: float = 1e-8,
@@ -202,6 +210,7 @@ class Muon(Optimizer):
                 sign_momentum=sign_momentum,
                 weight_decay_form=weight_decay_form,
                 ns_method=ns_method,
+                tp_mode=tp_mode,
                 split_sizes=None,
                 batched=False,
                 transposed=False,
@@ -803,6 +812,7 @@ def _validate_hparams(group: dict[str, Any], algorithm: str, where: str, prefix:
         _check_number(group["second_moment_beta2"], "second_moment_beta2", where, 0.0, 1.0, high_open=True)
         _check_number(group["second_moment_eps"], "second_moment_eps", where, 0.0, low_open=True)
         _check_choice(group["weight_decay_form"], "weight_decay_form", where, WEIGHT_DECAY_FORMS)
+        _check_choice(group["tp_mode"], "tp_mode", where, TP_MODES)
         try:
             check_ns_method(group["ns_method"])
         except ValueError as err:

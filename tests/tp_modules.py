@@ -40,7 +40,8 @@ class Attention(nn.Module):
         super().__init__()
         self.head_dim = D_MODEL // HEADS
         self.q = nn.Linear(D_MODEL, HEADS * self.head_dim)
-        self.k = nn.Linear(D_MODEL, KV_HEADS * self.head_dim)
+        # No key bias: softmax cancels it, its gradient is rounding noise that AdamW would amplify.
+        self.k = nn.Linear(D_MODEL, KV_HEADS * self.head_dim, bias=False)
         self.v = nn.Linear(D_MODEL, KV_HEADS * self.head_dim)
         self.proj = nn.Linear(HEADS * self.head_dim, D_MODEL)
 
@@ -165,9 +166,7 @@ def full_params(model: pl.LightningModule) -> dict[str, torch.Tensor]:
     """Every parameter as a full plain tensor (DTensors gathered), by name."""
     from torch.distributed.tensor import DTensor
 
-    return {
-        n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()
-    }
+    return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
 def reference_fit(root: Path, max_steps: int, clip: float | None = None, **config: Any) -> dict[str, torch.Tensor]:
@@ -193,9 +192,7 @@ def tp_fit_worker(rank: int, world_size: int, runs: list[dict[str, Any]]) -> lis
                     dirpath=spec["root"] / "ckpt", every_n_train_steps=spec["save_every"], save_top_k=-1
                 )
             )
-        strategy = MuonFSDPStrategy(
-            tensor_parallel_size=spec.get("tp", 2), tp_mode=spec.get("tp_mode", "duplicated")
-        )
+        strategy = MuonFSDPStrategy(tensor_parallel_size=spec.get("tp", 2), tp_mode=spec.get("tp_mode", "duplicated"))
         trainer = pl.Trainer(
             devices=world_size,
             strategy=strategy,

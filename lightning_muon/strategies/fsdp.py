@@ -2,10 +2,13 @@
 
 from __future__ import annotations
 
+import math
 import warnings
 from datetime import timedelta
 from typing import Any
 
+import torch
+import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
 from lightning.fabric.utilities.init import _materialize_distributed_module
 from lightning.fabric.utilities.optimizer import _optimizers_to_device
@@ -13,10 +16,14 @@ from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
 from torch import nn
-from torch.distributed.tensor import DTensor
+from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
 from typing_extensions import override
 
+from lightning_muon.distributed.comm import all_reduce_
 from lightning_muon.distributed.fsdp import FSDP_MODES, MuonFSDPSharding
+from lightning_muon.distributed.tensor_parallel import MuonTPSharding
+from lightning_muon.distributed.tp_math import TP_MODES
 from lightning_muon.muon import Muon
 from lightning_muon.routing import TRANSPOSED_MODULES
 from lightning_muon.strategies._checkpoint import explained_reads
@@ -118,6 +125,10 @@ def _is_fsdp(module: nn.Module) -> bool:
     return isinstance(module, FSDPModule)
 
 
+def _on_2d_mesh(p: Any) -> bool:
+    return isinstance(p, DTensor) and p.device_mesh.ndim > 1
+
+
 def _inner(optimizer: Any) -> Any:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
@@ -125,8 +136,16 @@ def _inner(optimizer: Any) -> Any:
 class MuonFSDPStrategy(ModelParallelStrategy):
     """FSDP2 over every rank, with each Muon matrix orthogonalized whole by one owner rank.
 
-    Built on Lightning's ``ModelParallelStrategy`` with the whole world as the data-parallel
-    mesh dimension (no tensor parallelism). A LightningModule whose ``configure_model``
+    Built on Lightning's ``ModelParallelStrategy``. By default the whole world is the
+    data-parallel mesh dimension (no tensor parallelism). With ``tensor_parallel_size=T``
+    the mesh is (data, tensor) as in ``ModelParallelStrategy``: the module's
+    ``configure_model`` applies ``parallelize_module`` on ``device_mesh["tensor_parallel"]``
+    and ``fully_shard`` on ``device_mesh["data_parallel"]``, and every ``Muon`` gets a
+    ``MuonTPSharding``: owners among the data-parallel ranks as below, and ``tp_mode`` on
+    the tensor dim (``"duplicated"`` and ``"distributed"`` exact, ``"blockwise"`` an
+    approximation; see ``lightning_muon.distributed.tensor_parallel``). Gradient clipping
+    then takes the global norm over parameters on the 2-D and the 1-D mesh alike (Lightning's
+    own clipping cannot stack their norms). A LightningModule whose ``configure_model``
     applies ``fully_shard`` is left as it is; otherwise ``default_fully_shard`` makes each
     block holding Linear layers an FSDP unit, then each top-level child. Every ``Muon``
     optimizer then gets a ``MuonFSDPSharding``:
@@ -147,7 +166,11 @@ class MuonFSDPStrategy(ModelParallelStrategy):
     Lightning re-runs the script (popen), or takes those torchrun/SLURM started.
 
     Args:
-        muon_mode: ``"owner"`` or ``"blockwise"``.
+        muon_mode: ``"owner"`` or ``"blockwise"`` (no tensor parallelism).
+        data_parallel_size: ranks per data-parallel group; ``"auto"``: world size / ``tensor_parallel_size``.
+        tensor_parallel_size: ranks per tensor-parallel group (1: FSDP2 alone).
+        tp_mode: ``"duplicated"``, ``"distributed"`` or ``"blockwise"`` for every Muon group; None
+            takes each group's own (``MuonConfig.tp_mode``, default ``"duplicated"``).
         save_distributed_checkpoint: save a folder of shards (True) or one full file from
             rank 0 (False).
         process_group_backend: ``"nccl"``, ``"gloo"``, ... (default: by device).
@@ -159,25 +182,40 @@ class MuonFSDPStrategy(ModelParallelStrategy):
     def __init__(
         self,
         muon_mode: str = "owner",
+        data_parallel_size: int | str = "auto",
+        tensor_parallel_size: int = 1,
+        tp_mode: str | None = None,
         save_distributed_checkpoint: bool = True,
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
         if muon_mode not in FSDP_MODES:
             raise ValueError(f"muon_mode must be one of {FSDP_MODES}, got {muon_mode!r}")
+        if tp_mode is not None and tp_mode not in TP_MODES:
+            raise ValueError(f"tp_mode must be one of {TP_MODES} or None, got {tp_mode!r}")
+        for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
+            if size == "auto" and name == "data_parallel_size":
+                continue
+            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
+                raise ValueError(f"{name} must be a positive int{' or auto' if name[0] == 'd' else ''}, got {size!r}")
+        if muon_mode != "owner" and tensor_parallel_size > 1:
+            raise ValueError(
+                f"muon_mode={muon_mode!r} is for FSDP2 alone; with tensor_parallel_size > 1 choose tp_mode instead"
+            )
         super().__init__(
-            data_parallel_size="auto",
-            tensor_parallel_size=1,
+            data_parallel_size=data_parallel_size,
+            tensor_parallel_size=tensor_parallel_size,
             save_distributed_checkpoint=save_distributed_checkpoint,
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
         self.muon_mode = muon_mode
+        self.tp_mode = tp_mode
         self.default_units: list[str] = []
         """The FSDP units the default sharding made (empty when the module sharded itself)."""
 
     @property
-    def shardings(self) -> list[MuonFSDPSharding]:
+    def shardings(self) -> list[MuonFSDPSharding | MuonTPSharding]:
         return [s for s in (getattr(_inner(o), "_sharding", None) for o in self.optimizers) if s is not None]
 
     @override
@@ -189,8 +227,16 @@ class MuonFSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup_environment(self) -> None:
-        # All ranks form the data-parallel dimension ("auto" would make it the node count).
-        self._data_parallel_size = self.num_nodes * self.num_processes
+        # The ranks not in tensor-parallel groups form the data-parallel dimension ("auto" in
+        # ModelParallelStrategy would make it the node count).
+        world, tp = self.num_nodes * self.num_processes, self._tensor_parallel_size
+        dp = world // tp if self._data_parallel_size == "auto" else self._data_parallel_size
+        if dp * tp != world:
+            raise ValueError(
+                f"{type(self).__name__}: data_parallel_size={self._data_parallel_size} x tensor_parallel_size={tp} "
+                f"must equal the number of processes ({world})"
+            )
+        self._data_parallel_size = dp
         super().setup_environment()
 
     @override
@@ -219,9 +265,68 @@ class MuonFSDPStrategy(ModelParallelStrategy):
     @override
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
+        two_d = False
         for optimizer in map(_inner, self.optimizers):
-            if isinstance(optimizer, Muon) and any(g["algorithm"] == "muon" for g in optimizer.param_groups):
+            on_2d = {g["algorithm"] for g in optimizer.param_groups for p in g["params"] if _on_2d_mesh(p)}
+            two_d |= bool(on_2d)
+            if not (isinstance(optimizer, Muon) and any(g["algorithm"] == "muon" for g in optimizer.param_groups)):
+                continue
+            if self._tensor_parallel_size > 1 or "muon" in on_2d:
+                MuonTPSharding(optimizer, tp_mode=self._resolve_tp_mode(optimizer))
+            else:
                 MuonFSDPSharding(optimizer, mode=self.muon_mode)
+        if two_d:
+            # Lightning's clipping stacks per-parameter norms, which fails across a 1-D and a 2-D mesh.
+            self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+
+    def _resolve_tp_mode(self, optimizer: Muon) -> str:
+        """The strategy's ``tp_mode`` if set (written into every Muon group), else the groups' own (all alike)."""
+        groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
+        modes = {g["tp_mode"] for g in groups}
+        if self.tp_mode is None:
+            if len(modes) > 1:
+                raise ValueError(f"MuonFSDPStrategy: the Muon groups ask for different tp_modes {sorted(modes)}")
+            return modes.pop()
+        clash = modes - {self.tp_mode, TP_MODES[0]}  # a group left at the default takes the strategy's
+        if clash:
+            raise ValueError(
+                f"MuonFSDPStrategy(tp_mode={self.tp_mode!r}) and the optimizer's tp_mode {sorted(clash)} (MuonConfig."
+                "tp_mode) disagree; set one of them"
+            )
+        for g in groups:
+            g["tp_mode"] = self.tp_mode
+        return self.tp_mode
+
+    @torch.no_grad()
+    def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
+        """``clip_grad_norm_`` over every gradient, whatever mesh its DTensor lives on.
+
+        Each rank sums the squares of its local pieces, each divided by the number of ranks
+        holding a copy of it (the world size over the mesh sizes it is sharded across), and one
+        all-reduce over the world gives the global sum of squares.
+        """
+        grads = [p.grad for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
+        if not grads:
+            return
+        world = dist.get_world_size()
+        device = self.root_device
+        total = torch.zeros(1, dtype=torch.float32, device=device)
+        for g in grads:
+            local, copies = g, world
+            if isinstance(g, DTensor):
+                local = g.to_local()
+                sharded = [
+                    g.device_mesh.size(i) for i, pl in enumerate(g.placements) if isinstance(pl, (Shard, _StridedShard))
+                ]
+                copies = world // math.prod(sharded)
+            if local.numel():
+                total += local.detach().float().square().sum().to(device) / copies
+        sharding = getattr(_inner(optimizer), "_sharding", None)
+        stats = sharding.stats_by_dim["world"] if isinstance(sharding, MuonTPSharding) else None
+        all_reduce_(total, stats=stats, name="clip_norm")
+        coef = torch.clamp(clip_val / (total.sqrt() + 1e-6), max=1.0)
+        for g in grads:
+            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:

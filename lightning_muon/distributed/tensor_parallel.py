@@ -1,0 +1,468 @@
+"""Exact Muon on a 2-D (data x tensor) mesh: FSDP2 owners on the data dim, a ``tp_mode`` on the tensor dim.
+
+Under Lightning's ``ModelParallelStrategy`` layout a module applies ``parallelize_module``
+on the mesh's ``"tensor_parallel"`` dim, then ``fully_shard`` on ``"data_parallel"``. A
+Muon weight is then one of (placements on (data, tensor))::
+
+    ColwiseParallel:  (_StridedShard(0), Shard(0))   rank (d, t): row chunk d of row block t
+    RowwiseParallel:  (Shard(0), Shard(1))           rank (d, t): row chunk d of column block t
+    not in the plan:  (Shard(0), Replicate()) or a 1-D (Shard(0),) on the data dim
+
+For one Muon param group ``MuonTPSharding.orthogonalize`` does::
+
+    1. data dim:   all_to_all_v: each rank sends its rows of every matrix to the matrix's
+                   owner among its data-parallel peers (the same owner d* for every t)
+                   -> rank (d*, t) holds the tensor-parallel block t of each matrix it owns
+    2. tensor dim: on the owners' tensor-parallel groups, by tp_mode:
+       duplicated   all_to_all_v of the blocks -> the whole matrix on every rank of the
+                    group, orthogonalized there (T times the Newton-Schulz work), each rank
+                    keeping its block. Exact.
+       distributed  Newton-Schulz on the blocks: per step one all-reduce of the m x m
+                    Gram matrix (tp_math.newton_schulz_on_shards); a block split along
+                    the short side is first re-split along the long side by an
+                    all-to-all, and back after. Exact; no rank holds a whole matrix.
+       blockwise    each block orthogonalized alone: no traffic, and not Muon (the polar
+                    factor of a block is not a block of the polar factor): an
+                    approximation, to compare against.
+       A matrix replicated on the tensor dim is orthogonalized whole on each rank.
+    3. data dim:   all_to_all_v: the owners send every rank its rows of the results,
+                   returned as DTensors placed like the update.
+
+Bytes are counted per mesh dim (``stats_by_dim``: "data_parallel", "tensor_parallel", and
+"world" for the step's finiteness check and gradient clipping); ``tp_math.tp_bytes`` has
+the formulas of step 2.
+"""
+
+from __future__ import annotations
+
+import math
+import warnings
+
+import torch
+import torch.distributed as dist
+from torch import Tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor.placement_types import _StridedShard
+
+from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
+from lightning_muon.distributed.fsdp import MuonFSDPSharding, _matrix_shape, _split, shard_rows
+from lightning_muon.distributed.planning import plan_ownership
+from lightning_muon.distributed.tp_math import TP_MODES, long_side_split, newton_schulz_on_shards
+from lightning_muon.functional import muon_orthogonalize
+from lightning_muon.newton_schulz import resolve_coefficients, resolve_ns_dtype
+
+__all__ = ["DP_DIM", "TP_DIM", "MuonTPSharding", "tp_split_dim"]
+
+DP_DIM, TP_DIM = "data_parallel", "tensor_parallel"  # ModelParallelStrategy's mesh dim names
+
+
+def tp_split_dim(p: Tensor) -> int | None:
+    """The dim a 2-D-mesh parameter is split along on the tensor dim (0 or 1), or None when replicated there."""
+    if not isinstance(p, DTensor) or p.device_mesh.ndim == 1:
+        return None
+    placement = p.placements[1]
+    return placement.dim if isinstance(placement, Shard) else None
+
+
+class MuonTPSharding(MuonFSDPSharding):
+    """Muon's Newton-Schulz for parameters on a (data, tensor) device mesh, with a ``tp_mode``.
+
+    Attaches itself as ``optimizer._sharding``. Every Muon parameter must be a DTensor on
+    the 2-D mesh (dims named ``"data_parallel"`` and ``"tensor_parallel"``) placed as
+    ``fully_shard`` after ``parallelize_module`` places it, or on the 1-D data-parallel
+    mesh alone (a layer left out of the tensor-parallel plan). Owners are planned over
+    the data-parallel ranks by global shapes and Newton-Schulz FLOPs, the same plan on
+    every rank.
+
+    Args:
+        optimizer: a ``Muon`` whose Muon parameters are such DTensors.
+        tp_mode: ``"duplicated"`` (exact), ``"distributed"`` (exact, no whole matrix on a
+            rank) or ``"blockwise"`` (approximate); see the module docstring.
+
+    Notes:
+        Matrices split on the tensor dim must be 2-D, without ``split_sizes`` or
+        ``batched``. The update observer (``UpdateSpectrumMonitor``) sees each matrix
+        once, on tensor-parallel rank 0 of its owners: in ``distributed`` mode the whole
+        update and result are gathered there for it, only on the steps it observes; in
+        ``blockwise`` mode matrices split on the tensor dim are not observed.
+    """
+
+    def __init__(self, optimizer, tp_mode: str = "duplicated") -> None:
+        if tp_mode not in TP_MODES:
+            raise ValueError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
+        self.optimizer = optimizer
+        self.mode = "owner"
+        self.tp_mode = tp_mode
+        self.stats_by_dim = {DP_DIM: CommStats(), TP_DIM: CommStats(), "world": CommStats()}
+        self.stats = self.stats_by_dim["world"]  # the step's finiteness check (MuonFSDPSharding)
+        groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
+        self.params: list[Tensor] = [p for g in groups for p in g["params"]]
+        if not self.params:
+            raise ValueError("MuonTPSharding: the optimizer has no Muon parameters")
+        self.mesh_2d = None
+        for index, g in enumerate(optimizer.param_groups):
+            if g["algorithm"] != "muon":
+                continue
+            where = f"param group {index}" + (f" ({g['name']!r})" if "name" in g else "")
+            for p in g["params"]:
+                self._check_tp_param(p, g, where)
+        meshes = [p.device_mesh for p in self.params]
+        self.mesh_2d = next((m for m in meshes if m.ndim == 2), None)
+        dp_mesh = self.mesh_2d[DP_DIM] if self.mesh_2d is not None else meshes[0]
+        for m in meshes:
+            if m.ndim == 1 and m != dp_mesh:
+                raise ValueError("MuonTPSharding: all 1-D Muon parameters must live on the data-parallel mesh")
+        self.dp_group, self.dp_rank, self.dp_size = dp_mesh.get_group(), dp_mesh.get_local_rank(), dp_mesh.size()
+        if self.mesh_2d is not None:
+            tp_mesh = self.mesh_2d[TP_DIM]
+            self.tp_group, self.tp_rank, self.tp_size = tp_mesh.get_group(), tp_mesh.get_local_rank(), tp_mesh.size()
+        else:
+            self.tp_group, self.tp_rank, self.tp_size = None, 0, 1
+        # The step's finiteness check spans every rank: tensor-parallel peers wait on each other too.
+        self.group = None
+        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
+        self.mesh = dp_mesh
+        self.plan = plan_ownership(
+            [tuple(p.shape) for p in self.params],
+            self.dp_size,
+            batched=[g["batched"] for g in groups for _ in g["params"]],
+        )
+        self._index = {id(p): i for i, p in enumerate(self.params)}
+        self._warned_observer = False
+        self.nonfinite_culprit: str | None = None
+        optimizer._sharding = self
+
+    def _check_tp_param(self, p: Tensor, group: dict, where: str) -> None:
+        shape = tuple(p.shape)
+        if not isinstance(p, DTensor):
+            raise ValueError(
+                f"MuonTPSharding: {where} holds a plain tensor of shape {shape}; every Muon parameter must be a "
+                "DTensor (apply fully_shard on the data-parallel mesh to the module that holds it)"
+            )
+        mesh, placements = p.device_mesh, tuple(p.placements)
+        if mesh.ndim == 1:
+            if placements != (Shard(0),):
+                raise ValueError(f"MuonTPSharding: {where}: a 1-D mesh parameter of shape {shape} placed {placements}")
+            if group["batched"] and p.ndim > 3:
+                raise ValueError(f"MuonTPSharding: {where}: batched tensors with more than 3 dims ({shape})")
+            return
+        if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != (DP_DIM, TP_DIM):
+            raise ValueError(
+                f"MuonTPSharding: {where}: a parameter on a mesh with dims {mesh.mesh_dim_names}; expected "
+                f"({DP_DIM!r}, {TP_DIM!r}) (ModelParallelStrategy's device mesh)"
+            )
+        dp_place, tp_place = placements
+        split = tp_place.dim if isinstance(tp_place, Shard) else None
+        if split is None and not isinstance(tp_place, Replicate):
+            raise ValueError(f"MuonTPSharding: {where}: tensor-dim placement {tp_place} of {shape} is not supported")
+        # fully_shard after parallelize_module: rows of the tensor-parallel block, chunked on the data dim.
+        expected = _StridedShard(0, split_factor=self.tp_size_of(mesh)) if split == 0 else Shard(0)
+        if dp_place != expected:
+            raise ValueError(
+                f"MuonTPSharding: {where}: a parameter of shape {shape} placed {placements}; expected {expected} on "
+                "the data dim (apply parallelize_module first, then fully_shard on the data-parallel mesh)"
+            )
+        if split is not None and (p.ndim != 2 or group["batched"] or group["split_sizes"] is not None):
+            raise ValueError(
+                f"MuonTPSharding: {where}: a tensor-parallel parameter of shape {shape} must be a 2-D matrix "
+                "without split_sizes or batched"
+            )
+
+    @staticmethod
+    def tp_size_of(mesh) -> int:
+        return mesh.size(1)
+
+    # ------------------------------------------------------------------ layout
+
+    def _tp_local_shape(self, p: Tensor) -> tuple[int, ...]:
+        """The shape of tensor-parallel rank ``tp_rank``'s block of ``p`` (``p``'s shape when replicated)."""
+        split = tp_split_dim(p)
+        shape = list(p.shape)
+        if split is not None:
+            shape[split] = shard_rows(shape[split], self.tp_size)[self.tp_rank]
+        return tuple(shape)
+
+    # ------------------------------------------------------------------ orthogonalization
+
+    @torch.no_grad()
+    def orthogonalize(self, params: list[Tensor], updates: list[Tensor], **ns_kwargs) -> list[list[Tensor]]:
+        """Per update, its orthogonalized piece as a DTensor placed like the update."""
+        D, d = self.dp_size, self.dp_rank
+        batched = ns_kwargs["batched"]
+        owners = [self.plan.owners[self._index[id(p)]] for p in params]
+        shapes = [self._tp_local_shape(p) for p in params]  # this tensor-parallel rank's blocks
+        row_numel = [math.prod(s[1:]) for s in shapes]
+        rows = [shard_rows(s[0], D) for s in shapes]  # rows[i][r]: rows of block i on data rank r
+        local = [self.local_shard(u) for u in updates]
+        for i, u in enumerate(local):
+            if u.shape[0] != rows[i][d]:
+                raise RuntimeError(
+                    f"MuonTPSharding: a shard of shape {tuple(u.shape)} of a {tuple(updates[i].shape)} tensor on "
+                    f"data rank {d}; expected {rows[i][d]} rows of its {shapes[i]} tensor-parallel block"
+                )
+        wire = self._wire_dtype(updates, ns_kwargs.get("ns_dtype"))
+        by_owner = [[i for i in range(len(params)) if owners[i] == r] for r in range(D)]
+        mine = by_owner[d]
+        dp_stats = self.stats_by_dim[DP_DIM]
+
+        # 1. Data dim: rows of each block to its owner.
+        send = [local[i].reshape(-1) for r in range(D) for i in by_owner[r]]
+        send_counts = [sum(local[i].numel() for i in by_owner[r]) for r in range(D)]
+        recv_counts = [sum(rows[i][s] * row_numel[i] for i in mine) for s in range(D)]
+        blob = torch.cat(send).to(wire) if send else local[0].new_empty(0, dtype=wire)
+        recv = all_to_all_v(blob, send_counts, recv_counts, self.dp_group, dp_stats, name="to_owner")
+        blocks: dict[int, list[Tensor]] = {i: [] for i in mine}
+        for chunk, s in zip(recv.split(recv_counts), range(D)):
+            for i, part in zip(mine, _split(chunk, [rows[i][s] * row_numel[i] for i in mine])):
+                blocks[i].append(part)
+        whole = [torch.cat(blocks[i]).view(shapes[i]) for i in mine]  # tensor-parallel blocks
+
+        # 2. Tensor dim: by tp_mode.
+        results = self._orthogonalize_blocks(params, updates, mine, whole, ns_kwargs)
+        results = [r.reshape(shapes[i][0], -1) for i, r in zip(mine, results)]  # (rows_i, row_numel_i)
+
+        # 3. Data dim: every rank its rows of the results.
+        back, back_counts = [], []
+        for r in range(D):
+            for i, res in zip(mine, results):
+                start = sum(rows[i][:r])
+                back.append(res[start : start + rows[i][r]].reshape(-1))
+            back_counts.append(sum(rows[i][r] * row_numel[i] for i in mine))
+        from_counts = [sum(rows[i][d] * row_numel[i] for i in by_owner[s]) for s in range(D)]
+        blob = torch.cat(back).to(wire) if back else local[0].new_empty(0, dtype=wire)
+        got = all_to_all_v(blob, back_counts, from_counts, self.dp_group, dp_stats, name="from_owner")
+        out: list[list[Tensor] | None] = [None] * len(params)
+        for chunk, s in zip(got.split(from_counts), range(D)):
+            for i, part in zip(by_owner[s], _split(chunk, [rows[i][d] * row_numel[i] for i in by_owner[s]])):
+                piece = part.view(local[i].shape).to(updates[i].dtype)
+                out[i] = [self._placed_like(piece, updates[i], batched)]
+        return out  # type: ignore[return-value]
+
+    def _placed_like(self, local: Tensor, like: Tensor, batched: bool) -> Tensor:
+        if like.device_mesh.ndim == 1:  # the FSDP2 case: the piece has the matrix shape
+            return self._as_dtensor(local.reshape(-1, *_matrix_shape(like.shape, batched)[1:]), like, batched)
+        return DTensor.from_local(
+            local.contiguous(),
+            like.device_mesh,
+            like.placements,
+            run_check=False,
+            shape=like.shape,
+            stride=like.stride(),
+        )
+
+    def _orthogonalize_blocks(
+        self, params: list[Tensor], updates: list[Tensor], mine: list[int], whole: list[Tensor], ns_kwargs: dict
+    ) -> list[Tensor]:
+        """Step 2 on the owner: each owned matrix's block of the result, shaped like its block."""
+        batched = ns_kwargs["batched"]
+        split = [tp_split_dim(params[i]) if self.tp_size > 1 else None for i in mine]
+        self._gshape = [tuple(params[i].shape) for i in mine]  # whole matrices, as seen from the blocks
+        out: list[Tensor | None] = [None] * len(mine)
+        observed_full: dict[int, tuple[Tensor, Tensor]] = {}  # k -> (update, result), whole matrices
+        replicated = [k for k, s in enumerate(split) if s is None]
+        if replicated:  # whole here already: orthogonalized on every rank of the group
+            ortho = muon_orthogonalize(
+                [whole[k].view(_matrix_shape(whole[k].shape, batched)) for k in replicated], **ns_kwargs
+            )
+            for k, o in zip(replicated, ortho):
+                out[k] = o[0]
+                observed_full[k] = (whole[k], o[0])
+        split_ks = [k for k, s in enumerate(split) if s is not None]
+        if split_ks:
+            if self.tp_mode == "duplicated":
+                self._duplicated(split_ks, split, whole, ns_kwargs, out, observed_full)
+            elif self.tp_mode == "distributed":
+                self._distributed(split_ks, split, whole, ns_kwargs, out, observed_full)
+            else:
+                ortho = muon_orthogonalize([whole[k] for k in split_ks], **ns_kwargs)
+                for k, o in zip(split_ks, ortho):
+                    out[k] = o[0]
+        self._observe_owned(params, updates, mine, observed_full, bool(split_ks))
+        return out  # type: ignore[return-value]
+
+    def _gather_blocks(self, ks: list[int], split: list, blocks: list[Tensor], dst: int | None) -> list[Tensor]:
+        """Whole matrices from their tensor-parallel blocks, on every rank (``dst`` None) or on ``dst`` only.
+
+        One ``all_to_all_v`` over the tensor-parallel group; returns ``[]`` where nothing arrives.
+        """
+        T, t = self.tp_size, self.tp_rank
+        flat = torch.cat([blocks[k].reshape(-1) for k in ks]) if ks else blocks[0].new_empty(0)
+        targets = [r for r in range(T) if r != t and (dst is None or r == dst)]
+        send_counts = [flat.numel() if r in targets else 0 for r in range(T)]
+        receives = dst is None or dst == t
+        block_shapes = [[_block_shape(self._gshape[k], split[k], T, r) for k in ks] for r in range(T)]
+        block_numels = [[math.prod(s) for s in shapes] for shapes in block_shapes]
+        recv_counts = [sum(block_numels[r]) if receives and r != t else 0 for r in range(T)]
+        send = torch.cat([flat] * len(targets)) if targets else flat[:0]
+        got = all_to_all_v(send, send_counts, recv_counts, self.tp_group, self.stats_by_dim[TP_DIM], name="tp_gather")
+        if not receives:
+            return []
+        parts = iter(got.split([c for r, c in enumerate(recv_counts) if r != t]))
+        per_rank = [flat if r == t else next(parts) for r in range(T)]
+        fulls = []
+        for j, k in enumerate(ks):
+            pieces = []
+            for r in range(T):
+                offset = sum(block_numels[r][:j])
+                shape = block_shapes[r][j]
+                pieces.append(per_rank[r][offset : offset + block_numels[r][j]].view(shape))
+            fulls.append(torch.cat(pieces, dim=split[k]))
+        return fulls
+
+    def _duplicated(self, ks, split, whole, ns_kwargs, out, observed_full) -> None:
+        fulls = self._gather_blocks(ks, split, whole, dst=None)
+        ortho = muon_orthogonalize(fulls, **ns_kwargs)
+        for k, full, o in zip(ks, fulls, ortho):
+            out[k] = _own_block(o[0], split[k], self.tp_size, self.tp_rank)
+            observed_full[k] = (full, o[0])
+
+    def _distributed(self, ks, split, whole, ns_kwargs, out, observed_full) -> None:
+        schedule, norm = resolve_coefficients(ns_kwargs["ns_coefficients"], ns_kwargs["ns_steps"])
+        work = resolve_ns_dtype(ns_kwargs["ns_dtype"], whole[ks[0]].device, whole[ks[0]].dtype)
+        full_shape = {k: self._gshape[k] for k in ks}
+        # The wide form's blocks along its long side: (m, n_t) each.
+        wide: dict[int, Tensor] = {}
+        short = [k for k in ks if not long_side_split(*full_shape[k], split[k])]
+        for k in ks:
+            if k not in short:
+                block = whole[k].to(work)
+                wide[k] = block if full_shape[k][0] <= full_shape[k][1] else block.mT
+        if short:
+            wide.update(self._resplit(short, split, whole, full_shape, work))
+        tp_stats = self.stats_by_dim[TP_DIM]
+
+        def reduce(x: Tensor) -> Tensor:
+            return all_reduce_(x, group=self.tp_group, stats=tp_stats, name="tp_gram")
+
+        # Buckets by the whole wide shape: the same on every rank of the group, whatever its block.
+        buckets: dict[tuple[int, int], list[int]] = {}
+        for k in ks:
+            rows, cols = full_shape[k]
+            buckets.setdefault((min(rows, cols), max(rows, cols)), []).append(k)
+        result_wide: dict[int, Tensor] = {}
+        for members in buckets.values():
+            X = torch.stack([wide[k] for k in members])  # (K, m, n_t)
+            Y = newton_schulz_on_shards([X], schedule, norm, reduce)[0]
+            for j, k in enumerate(members):
+                result_wide[k] = Y[j]
+        if short:
+            back = self._resplit_back(short, split, result_wide, full_shape)
+        for k in ks:
+            if k in short:
+                out[k] = back[k]
+            else:
+                y = result_wide[k]
+                out[k] = y if full_shape[k][0] <= full_shape[k][1] else y.mT
+        if self.optimizer._update_observer is not None:  # gather for the spectra, only when asked
+            fulls = self._gather_blocks(ks, split, whole, dst=0)
+            results = self._gather_blocks(ks, split, out, dst=0)
+            for k, full, res in zip(ks, fulls, results):
+                observed_full[k] = (full, res)
+
+    def _resplit(self, ks, split, whole, full_shape, work) -> dict[int, Tensor]:
+        """Blocks split along the wide form's short side, re-split along its long side (one all-to-all).
+
+        Rank t holds rows ``R_t`` of the wide form (m x n); it sends rank u its columns
+        ``C_u`` and gets back ``(R_s, C_t)`` from every rank s: the wide form's columns ``C_t``.
+        """
+        T, t = self.tp_size, self.tp_rank
+        send, send_counts, recv_counts = [], [0] * T, [0] * T
+        wides = {}
+        for k in ks:
+            block = whole[k].to(work)
+            rows, cols = full_shape[k]
+            wides[k] = block if rows <= cols else block.mT  # (m_t, n)
+        for u in range(T):
+            for k in ks:
+                m, n = _wide(full_shape[k])
+                c0, cn = _span(n, T, u)
+                send.append(wides[k][:, c0 : c0 + cn].reshape(-1))
+                send_counts[u] += wides[k].shape[0] * cn
+                recv_counts[u] += shard_rows(m, T)[u] * shard_rows(n, T)[t]
+        got = all_to_all_v(
+            torch.cat(send), send_counts, recv_counts, self.tp_group, self.stats_by_dim[TP_DIM], "tp_resplit"
+        )
+        pieces: dict[int, list[Tensor]] = {k: [] for k in ks}
+        for u, chunk in enumerate(got.split(recv_counts)):
+            offset = 0
+            for k in ks:
+                m, n = _wide(full_shape[k])
+                size = (shard_rows(m, T)[u], shard_rows(n, T)[t])
+                pieces[k].append(chunk[offset : offset + size[0] * size[1]].view(size))
+                offset += size[0] * size[1]
+        return {k: torch.cat(pieces[k], dim=0) for k in ks}  # (m, n_t)
+
+    def _resplit_back(self, ks, split, result_wide, full_shape) -> dict[int, Tensor]:
+        """The inverse of ``_resplit``: column blocks of the result back to this rank's row block."""
+        T, t = self.tp_size, self.tp_rank
+        send, send_counts, recv_counts = [], [0] * T, [0] * T
+        for u in range(T):
+            for k in ks:
+                m, n = _wide(full_shape[k])
+                r0, rn = _span(m, T, u)
+                send.append(result_wide[k][r0 : r0 + rn].reshape(-1))
+                send_counts[u] += rn * result_wide[k].shape[1]
+                recv_counts[u] += shard_rows(m, T)[t] * shard_rows(n, T)[u]
+        got = all_to_all_v(
+            torch.cat(send), send_counts, recv_counts, self.tp_group, self.stats_by_dim[TP_DIM], "tp_resplit"
+        )
+        pieces: dict[int, list[Tensor]] = {k: [] for k in ks}
+        for u, chunk in enumerate(got.split(recv_counts)):
+            offset = 0
+            for k in ks:
+                m, n = _wide(full_shape[k])
+                size = (shard_rows(m, T)[t], shard_rows(n, T)[u])
+                pieces[k].append(chunk[offset : offset + size[0] * size[1]].view(size))
+                offset += size[0] * size[1]
+        out = {}
+        for k in ks:
+            block = torch.cat(pieces[k], dim=1)  # (m_t, n): this rank's rows of the wide result
+            rows, cols = full_shape[k]
+            out[k] = block if rows <= cols else block.mT
+        return out
+
+    def _observe_owned(self, params, updates, mine, observed_full, has_split) -> None:
+        observer = self.optimizer._update_observer
+        if observer is None:
+            return
+        if self.tp_mode == "blockwise" and has_split and not self._warned_observer:
+            self._warned_observer = True
+            warnings.warn(
+                "MuonTPSharding: blockwise mode never holds a whole tensor-parallel matrix; those are not observed",
+                RuntimeWarning,
+                stacklevel=4,
+            )
+        if self.tp_rank != 0 or not observed_full:
+            return  # each matrix once: on tensor-parallel rank 0 of its owners
+        ks = sorted(observed_full)
+        first = params[mine[ks[0]]]
+        group = next(g for g in self.optimizer.param_groups if any(q is first for q in g["params"]))
+        dtypes = [updates[mine[k]].dtype for k in ks]
+        observer(
+            group,
+            [params[mine[k]] for k in ks],
+            [observed_full[k][0].reshape(params[mine[k]].shape).to(dt) for k, dt in zip(ks, dtypes)],
+            [[observed_full[k][1].to(dt)] for k, dt in zip(ks, dtypes)],
+        )
+
+
+def _span(size: int, parts: int, index: int) -> tuple[int, int]:
+    """(start, length) of ``torch.chunk`` block ``index`` of ``size`` elements in ``parts``."""
+    sizes = shard_rows(size, parts)
+    return sum(sizes[:index]), sizes[index]
+
+
+def _wide(shape: tuple[int, int]) -> tuple[int, int]:
+    return min(shape), max(shape)
+
+
+def _block_shape(shape: tuple[int, ...], split: int, T: int, r: int) -> tuple[int, ...]:
+    """Tensor-parallel rank ``r``'s block of a whole ``shape`` split along ``split`` (``torch.chunk`` sizes)."""
+    out = list(shape)
+    out[split] = shard_rows(shape[split], T)[r]
+    return tuple(out)
+
+
+def _own_block(full: Tensor, split: int, T: int, t: int) -> Tensor:
+    start, length = _span(full.shape[split], T, t)
+    return full.narrow(split, start, length)
