@@ -169,30 +169,65 @@ def full_params(model: pl.LightningModule) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
-def reference_fit(root: Path, max_steps: int, clip: float | None = None, **config: Any) -> dict[str, torch.Tensor]:
+def reference_fit(
+    root: Path, max_steps: int, clip: float | None = None, spectra: int = 0, **config: Any
+) -> dict[str, Any]:
     """The single-process reference: the same module and optimizer, no strategy."""
+    from lightning_muon import UpdateSpectrumMonitor
+
     model = TinyTPTransformer(MuonConfig(**{**CONFIG, **config}))
-    trainer = pl.Trainer(devices=1, enable_checkpointing=False, **trainer_kwargs(root, max_steps, clip))
+    callbacks = [UpdateSpectrumMonitor(every_n_steps=spectra)] if spectra else []
+    trainer = pl.Trainer(
+        devices=1, enable_checkpointing=False, callbacks=callbacks, **trainer_kwargs(root, max_steps, clip)
+    )
     trainer.fit(model)
-    return full_params(model)
+    return {"params": full_params(model), "spectra": callbacks[0].last_metrics if spectra else None}
+
+
+def _count_measurements() -> dict[str, int]:
+    """How many spectra this process measures, by matrix name (``SpectrumCollector._measure`` calls)."""
+    from lightning_muon.callbacks._spectra import SpectrumCollector
+
+    counts: dict[str, int] = {}
+    measure = SpectrumCollector._measure
+
+    def counting(self, target, *args, **kwargs):
+        counts[target.name] = counts.get(target.name, 0) + 1
+        return measure(self, target, *args, **kwargs)
+
+    SpectrumCollector._measure = counting
+    return counts
 
 
 def tp_fit_worker(rank: int, world_size: int, runs: list[dict[str, Any]]) -> list[dict[str, Any]]:
-    """Several ``Trainer.fit`` runs with ``MuonFSDPStrategy`` on this rank, one after the other."""
-    from lightning_muon import MuonFSDPStrategy
+    """Several ``Trainer.fit`` runs on this rank, one after the other; what each left behind.
+
+    A run with ``"plain": True`` uses Lightning's own ``ModelParallelStrategy`` and returns
+    the error its fit raised (it is run last: the error ends the fit mid-step).
+    """
+    from lightning.pytorch.strategies import ModelParallelStrategy
+
+    from lightning_muon import MuonFSDPStrategy, UpdateSpectrumMonitor
 
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes made outside Lightning
+    counts = _count_measurements()
     out = []
     for spec in runs:
+        counts.clear()
         model = TinyTPTransformer(MuonConfig(**{**CONFIG, **spec.get("config", {})}))
-        callbacks = list(spec.get("callbacks", []))
+        monitor = UpdateSpectrumMonitor(every_n_steps=spec["spectra"]) if spec.get("spectra") else None
+        callbacks: list[pl.Callback] = [monitor] if monitor else []
         if spec.get("save_every"):
             callbacks.append(
                 pl.callbacks.ModelCheckpoint(
                     dirpath=spec["root"] / "ckpt", every_n_train_steps=spec["save_every"], save_top_k=-1
                 )
             )
-        strategy = MuonFSDPStrategy(tensor_parallel_size=spec.get("tp", 2), tp_mode=spec.get("tp_mode", "duplicated"))
+        tp = spec.get("tp", 2)
+        if spec.get("plain"):
+            strategy = ModelParallelStrategy(data_parallel_size=world_size // tp, tensor_parallel_size=tp)
+        else:
+            strategy = MuonFSDPStrategy(tensor_parallel_size=tp, tp_mode=spec.get("tp_mode"))
         trainer = pl.Trainer(
             devices=world_size,
             strategy=strategy,
@@ -200,6 +235,13 @@ def tp_fit_worker(rank: int, world_size: int, runs: list[dict[str, Any]]) -> lis
             enable_checkpointing=bool(spec.get("save_every")),
             **trainer_kwargs(spec["root"], spec["max_steps"], spec.get("clip")),
         )
+        if spec.get("plain"):
+            try:
+                trainer.fit(model)
+                out.append({"error": None})
+            except Exception as err:  # noqa: BLE001 - the test reads which error it was
+                out.append({"error": f"{type(err).__name__}: {str(err)[:400]}"})
+            continue
         trainer.fit(model, ckpt_path=spec.get("ckpt_path"))
         sharding = trainer.optimizers[0]._sharding
         out.append(
@@ -207,11 +249,14 @@ def tp_fit_worker(rank: int, world_size: int, runs: list[dict[str, Any]]) -> lis
                 "params": full_params(model),
                 "global_step": trainer.global_step,
                 "bytes": {k: dict(v.bytes) for k, v in sharding.stats_by_dim.items()},
+                "calls": {k: dict(v.calls) for k, v in sharding.stats_by_dim.items()},
+                "tp_mode": sharding.tp_mode,
                 "placements": {
                     n: (p.device_mesh.ndim, str(tuple(p.placements))) if hasattr(p, "placements") else None
                     for n, p in model.named_parameters()
                 },
-                "extra": spec["extra"](trainer, model) if "extra" in spec else None,
+                "spectra": monitor.last_metrics if monitor else None,
+                "measured": dict(counts),
             }
         )
     return out

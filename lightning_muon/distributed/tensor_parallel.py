@@ -156,7 +156,9 @@ class MuonTPSharding(MuonFSDPSharding):
         if split is None and not isinstance(tp_place, Replicate):
             raise ValueError(f"MuonTPSharding: {where}: tensor-dim placement {tp_place} of {shape} is not supported")
         # fully_shard after parallelize_module: rows of the tensor-parallel block, chunked on the data dim.
-        expected = _StridedShard(0, split_factor=self.tp_size_of(mesh)) if split == 0 else Shard(0)
+        # On a tensor dim of size 1 the two nestings coincide, and fully_shard places Shard(0).
+        tp_size = mesh.size(1)
+        expected = _StridedShard(0, split_factor=tp_size) if split == 0 and tp_size > 1 else Shard(0)
         if dp_place != expected:
             raise ValueError(
                 f"MuonTPSharding: {where}: a parameter of shape {shape} placed {placements}; expected {expected} on "
@@ -167,10 +169,6 @@ class MuonTPSharding(MuonFSDPSharding):
                 f"MuonTPSharding: {where}: a tensor-parallel parameter of shape {shape} must be a 2-D matrix "
                 "without split_sizes or batched"
             )
-
-    @staticmethod
-    def tp_size_of(mesh) -> int:
-        return mesh.size(1)
 
     # ------------------------------------------------------------------ layout
 
