@@ -1,0 +1,285 @@
+"""Benchmark: Muon's ``tp_mode``s on a (data x tensor) mesh: bytes per mesh dim and Newton-Schulz FLOPs per rank.
+
+Four gloo processes on CPU form a 2 x 2 mesh (``--dp``, ``--tp``). A stack of transformer
+blocks' matrices (q, k, v, fc1 colwise; proj, fc2 rowwise; k and v of grouped-query
+attention, a quarter of q's rows) is placed as Lightning's ``ModelParallelStrategy`` places
+it (``parallelize_module`` on the tensor dim, then ``fully_shard`` on the data dim), and
+``Muon`` + ``MuonTPSharding`` takes optimizer steps on random gradients in each
+``tp_mode``. Per step, measured beside the formulas of ``tp_math`` (bytes: what each rank
+sends, as ``CommStats`` counts it):
+
+- data dim: the owners' all-to-alls, ``2 (D - 1) / D * P / T`` per rank (balanced owners);
+- tensor dim: ``tp_bytes`` per matrix on each of the T ranks of its owning group;
+- Newton-Schulz FLOPs per rank: counted from the matrices handed to the iteration, against
+  ``tp_ns_flops`` (duplicated: the whole matrix T times over; distributed: the blocks'
+  products plus the replicated ``A A``; blockwise: the blocks alone);
+- the optimizer step's wall time (slowest rank, median), against ``duplicated`` in the same run.
+
+Usage::
+
+    python benchmarks/bench_tp.py                 # d=256 x 2 blocks, 2 x 2 mesh, about 1 min
+    python benchmarks/bench_tp.py --quick         # d=64, 2 timed steps (smoke test)
+    python benchmarks/bench_tp.py --d-model 512 --blocks 4 --out /tmp/tp.json
+"""
+
+from __future__ import annotations
+
+import argparse
+import json
+import os
+import platform
+import socket
+import statistics
+import sys
+import tempfile
+import time
+from pathlib import Path
+from typing import Any
+
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+from torch import nn
+
+import lightning_muon.distributed.tensor_parallel as tp_module
+from lightning_muon import Muon
+from lightning_muon.distributed.tensor_parallel import DP_DIM, TP_DIM, MuonTPSharding
+from lightning_muon.distributed.tp_math import TP_MODES, tp_bytes, tp_ns_flops
+from lightning_muon.newton_schulz import ns_flops
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_tp.json"
+NS_STEPS = 5
+COLWISE = ("q", "k", "v", "fc1")
+
+
+def shapes(d: int) -> dict[str, tuple[int, int]]:
+    """One block's matrices, (out, in) as nn.Linear stores them."""
+    return {"q": (d, d), "k": (d // 4, d), "v": (d // 4, d), "proj": (d, d), "fc1": (4 * d, d), "fc2": (d, 4 * d)}
+
+
+class Block(nn.Module):
+    """A transformer block's matrices (no forward needed: the benchmark only steps the optimizer)."""
+
+    def __init__(self, d: int) -> None:
+        super().__init__()
+        for name, (rows, cols) in shapes(d).items():
+            setattr(self, name, nn.Linear(cols, rows, bias=False))
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        return x  # fully_shard needs a forward to hook; none runs here
+
+
+def _build(d: int, blocks: int, mesh, device: str) -> nn.ModuleList:
+    from torch.distributed.fsdp import fully_shard
+    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+
+    torch.manual_seed(0)
+    model = nn.ModuleList(Block(d) for _ in range(blocks)).to(device)
+    plan = {n: ColwiseParallel() if n in COLWISE else RowwiseParallel() for n in shapes(d)}
+    for block in model:
+        parallelize_module(block, mesh[TP_DIM], plan)
+        fully_shard(block, mesh=mesh[DP_DIM])
+    return model
+
+
+class FlopCounter:
+    """Newton-Schulz FLOPs this rank runs, on whole matrices and on blocks.
+
+    Wraps ``muon_orthogonalize`` and ``newton_schulz_on_shards`` where ``MuonTPSharding`` calls them.
+    """
+
+    def __init__(self) -> None:
+        self.flops = 0
+        whole, blocks = tp_module.muon_orthogonalize, tp_module.newton_schulz_on_shards
+
+        def count_whole(updates, **kwargs):
+            self.flops += sum(ns_flops(*u.shape[-2:], kwargs["ns_steps"]) for u in updates)
+            return whole(updates, **kwargs)
+
+        def count_blocks(shards, schedule, norm, all_reduce):
+            for s in shards:  # (K, m, n_t): two products with the block, A A on the whole short side
+                K, m, n_t = s.shape
+                self.flops += K * len(schedule) * (4 * m * m * n_t + 2 * m**3)
+            return blocks(shards, schedule, norm, all_reduce)
+
+        tp_module.muon_orthogonalize, tp_module.newton_schulz_on_shards = count_whole, count_blocks
+
+
+def _sync(device: str) -> None:
+    if device == "cuda":  # a clock read must wait for this rank's queued kernels
+        torch.cuda.synchronize()
+
+
+def _worker(rank: int, world: int, port: int, out_dir: str, args: dict[str, Any]) -> None:
+    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(args["threads"])
+    device = args["device"]
+    if device == "cuda":  # NCCL: one GPU per rank
+        torch.cuda.set_device(rank)
+        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
+    else:
+        dist.init_process_group("gloo", rank=rank, world_size=world)
+    try:
+        from torch.distributed.device_mesh import init_device_mesh
+
+        mesh = init_device_mesh(device, (args["dp"], args["tp"]), mesh_dim_names=(DP_DIM, TP_DIM))
+        model = _build(args["d_model"], args["blocks"], mesh, device)
+        counter = FlopCounter()
+        results = {}
+        for mode in TP_MODES:
+            opt = Muon(model.parameters(), lr=0.02, ns_dtype=args["ns_dtype"], tp_mode=mode)
+            sharding = MuonTPSharding(opt, tp_mode=mode)
+            times = []
+            for step in range(args["warmup"] + args["steps"]):
+                torch.manual_seed(step)
+                for p in model.parameters():
+                    p.grad = torch.randn_like(p)
+                if step == args["warmup"]:
+                    counter.flops = 0
+                    for stats in sharding.stats_by_dim.values():
+                        stats.reset()
+                _sync(device)
+                dist.barrier()
+                start = time.perf_counter()
+                opt.step()
+                _sync(device)
+                elapsed = torch.tensor([time.perf_counter() - start], device=device)
+                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+                if step >= args["warmup"]:
+                    times.append(float(elapsed))
+            n = args["steps"]
+            results[mode] = {
+                "bytes": {dim: stats.total_bytes / n for dim, stats in sharding.stats_by_dim.items()},
+                "ns_flops": counter.flops / n,
+                "optimizer_s": statistics.median(times),
+            }
+        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
+    finally:
+        dist.destroy_process_group()
+
+
+def formulas(d: int, blocks: int, dp: int, tp: int, element_size: int) -> dict[str, dict[str, float]]:
+    """Per-rank means per step from ``tp_math``: data-dim bytes, tensor-dim bytes, Newton-Schulz FLOPs."""
+    world = dp * tp
+    out = {}
+    for mode in TP_MODES:
+        data = tensor = flops = 0.0
+        for name, (rows, cols) in shapes(d).items():
+            split = 0 if name in COLWISE else 1
+            # Data dim: each of the D - 1 non-owners of a block sends its rows, the owner returns them.
+            data += 2 * (dp - 1) / dp * rows * cols * element_size
+            # Tensor dim: the T ranks of the owning group (one group in D per matrix).
+            tensor += tp * tp_bytes(rows, cols, NS_STEPS, tp, mode, split, element_size)
+            flops += tp * tp_ns_flops(rows, cols, NS_STEPS, tp, mode, split)
+        out[mode] = {k: blocks * v / world for k, v in (("data", data), ("tensor", tensor), ("flops", flops))}
+    return out
+
+
+def _free_port() -> int:
+    with socket.socket() as s:
+        s.bind(("127.0.0.1", 0))
+        return s.getsockname()[1]
+
+
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
+    parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
+    parser.add_argument("--quick", action="store_true", help="d=64, 1 warmup + 2 timed steps")
+    parser.add_argument("--dp", type=int, default=2, help="data-parallel size")
+    parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
+    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--blocks", type=int, default=2)
+    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
+    parser.add_argument("--ns-dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument(
+        "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo (default); cuda: NCCL, rank r on cuda:r"
+    )
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    a = parser.parse_args(argv)
+    for name in ("dp", "tp", "d_model", "blocks", "steps", "threads"):
+        if getattr(a, name) < 1:
+            parser.error(f"--{name.replace('_', '-')} must be >= 1")
+    if a.d_model % 4:
+        parser.error("--d-model must be a multiple of 4 (k and v have d / 4 rows)")
+    if a.device == "cuda" and a.dp * a.tp > torch.cuda.device_count():
+        parser.error(
+            f"--device cuda needs one GPU per rank (NCCL): --dp {a.dp} x --tp {a.tp}, "
+            f"but torch.cuda.device_count() is {torch.cuda.device_count()}"
+        )
+    return a
+
+
+def main(argv: list[str] | None = None) -> dict[str, Any]:
+    a = parse_args(argv)
+    args = dict(
+        dp=a.dp,
+        tp=a.tp,
+        d_model=64 if a.quick else a.d_model,
+        blocks=a.blocks,
+        steps=2 if a.quick else a.steps,
+        warmup=1,
+        threads=a.threads,
+        ns_dtype=a.ns_dtype,
+        device=a.device,
+    )
+    world = a.dp * a.tp
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.spawn(_worker, args=(world, _free_port(), out_dir, args), nprocs=world, join=True)
+        ranks = [torch.load(Path(out_dir) / f"rank{r}.pt", map_location="cpu") for r in range(world)]
+    element_size = torch.empty(0, dtype=getattr(torch, a.ns_dtype)).element_size()
+    expected = formulas(args["d_model"], args["blocks"], a.dp, a.tp, element_size)
+    machine = {
+        "cpu": platform.processor() or platform.machine(),
+        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
+        "cores": os.cpu_count(),
+        "torch": torch.__version__,
+        "load_avg_1m_at_start": os.getloadavg()[0],
+        "device": a.device,
+    }
+    if a.device == "cuda":
+        machine["gpu"] = torch.cuda.get_device_name(0)
+    where = f"NCCL ranks on {machine['gpu']} GPUs, host " if a.device == "cuda" else "gloo ranks on "
+    print(
+        f"bench_tp: {a.dp} x {a.tp} (data x tensor) {where}{machine['cpu']} ({machine['cores']} cores, "
+        f"{machine['cpu_capability']}), {args['blocks']} blocks of d={args['d_model']} "
+        f"(q,k,v,fc1 colwise; proj,fc2 rowwise), Newton-Schulz {a.ns_dtype}, {NS_STEPS} steps; "
+        "per optimizer step, mean per rank"
+    )
+    header = f"{'tp_mode':<12}{'data-dim bytes':>16}{'formula':>12}{'tensor-dim bytes':>18}{'formula':>12}"
+    header += f"{'NS GFLOP/rank':>15}{'formula':>10}{'max rank':>10}{'opt. step':>11}{'vs dup.':>9}"
+    print(header)
+    rows = {}
+    base = None
+    for mode in TP_MODES:
+        mean = {k: statistics.mean(r[mode]["bytes"][k] for r in ranks) for k in (DP_DIM, TP_DIM)}
+        flops = [r[mode]["ns_flops"] for r in ranks]
+        seconds = ranks[0][mode]["optimizer_s"]
+        base = base or seconds
+        rows[mode] = {
+            "data_bytes": mean[DP_DIM],
+            "data_bytes_formula": expected[mode]["data"],
+            "tensor_bytes": mean[TP_DIM],
+            "tensor_bytes_formula": expected[mode]["tensor"],
+            "ns_flops_mean": statistics.mean(flops),
+            "ns_flops_max": max(flops),
+            "ns_flops_formula": expected[mode]["flops"],
+            "optimizer_s": seconds,
+        }
+        print(
+            f"{mode:<12}{mean[DP_DIM]:>16,.0f}{expected[mode]['data']:>12,.0f}{mean[TP_DIM]:>18,.0f}"
+            f"{expected[mode]['tensor']:>12,.0f}{statistics.mean(flops) / 1e9:>15.4f}"
+            f"{expected[mode]['flops'] / 1e9:>10.4f}{max(flops) / 1e9:>10.4f}{seconds * 1e3:>9.1f}ms"
+            f"{seconds / base:>9.2f}"
+        )
+    print(
+        "blockwise is an approximation (each block orthogonalized alone), not Muon; duplicated and "
+        "distributed are exact. Bytes exclude the step's finiteness check (a few bytes per rank)."
+    )
+    result = {"machine": machine, "settings": args, "rows": rows}
+    a.out.parent.mkdir(parents=True, exist_ok=True)
+    a.out.write_text(json.dumps(result, indent=2))
+    return result
+
+
+if __name__ == "__main__":
+    sys.exit(0 if main() else 1)
