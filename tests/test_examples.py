@@ -98,3 +98,25 @@ def test_spectra_example_writes_a_tensorboard_event_file(tmp_path):
 def test_distributed_example_runs_on_two_processes(tmp_path, strategy):
     out = _run(str(ROOT / "examples/distributed/train.py"), "--strategy", strategy, "--max-steps", "2", cwd=tmp_path)
     assert f"{strategy} on 2 processes: validation loss" in out
+
+
+@pytest.mark.distributed
+def test_tensor_parallel_example_runs_on_four_processes(tmp_path):
+    # A 2 x 2 (data x tensor) mesh; tp_mode from the command line over the config's, 2 steps.
+    args = [
+        str(ROOT / "examples/tensor_parallel/main.py"),
+        "fit",
+        f"--config={ROOT / 'examples/tensor_parallel/config.yaml'}",
+        "--trainer.strategy.tp_mode=distributed",
+        "--trainer.max_steps=2",
+        "--trainer.val_check_interval=2",
+        "--trainer.limit_val_batches=1",
+        "--trainer.enable_progress_bar=false",
+        f"--trainer.default_root_dir={tmp_path}",
+    ]
+    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
+    proc = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    assert "Muon on a 2 x 2 (data x tensor) mesh, tp_mode='distributed'" in output
+    assert "`max_steps=2` reached" in output

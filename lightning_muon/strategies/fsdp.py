@@ -15,6 +15,7 @@ from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
@@ -272,7 +273,11 @@ class MuonFSDPStrategy(ModelParallelStrategy):
             if not (isinstance(optimizer, Muon) and any(g["algorithm"] == "muon" for g in optimizer.param_groups)):
                 continue
             if self._tensor_parallel_size > 1 or "muon" in on_2d:
-                MuonTPSharding(optimizer, tp_mode=self._resolve_tp_mode(optimizer))
+                sharding = MuonTPSharding(optimizer, tp_mode=self._resolve_tp_mode(optimizer))
+                rank_zero_info(
+                    f"{type(self).__name__}: Muon on a {sharding.dp_size} x {sharding.tp_size} (data x tensor) mesh, "
+                    f"tp_mode={sharding.tp_mode!r}"
+                )
             else:
                 MuonFSDPSharding(optimizer, mode=self.muon_mode)
         if two_d:
