@@ -85,6 +85,8 @@ class MuonTPSharding(MuonFSDPSharding):
         once, on tensor-parallel rank 0 of its owners: in ``distributed`` mode the whole
         update and result are gathered there for it, only on the steps it observes; in
         ``blockwise`` mode matrices split on the tensor dim are not observed.
+        ``distributed`` mode runs the standard iteration whatever ``ns_method`` says (the
+        Gram variant would need fewer all-reduces, one per restart; not done here).
     """
 
     def __init__(self, optimizer, tp_mode: str = "duplicated") -> None:
