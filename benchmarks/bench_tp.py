@@ -25,21 +25,18 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import json
-import os
-import platform
-import socket
 import statistics
 import sys
-import tempfile
 import time
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
-import torch.multiprocessing as mp
 from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness, a sibling script module
+import harness
 
 import lightning_muon.distributed.tensor_parallel as tp_module
 from lightning_muon import Muon
@@ -105,57 +102,43 @@ class FlopCounter:
         tp_module.muon_orthogonalize, tp_module.newton_schulz_on_shards = count_whole, count_blocks
 
 
-def _sync(device: str) -> None:
-    if device == "cuda":  # a clock read must wait for this rank's queued kernels
-        torch.cuda.synchronize()
-
-
-def _worker(rank: int, world: int, port: int, out_dir: str, args: dict[str, Any]) -> None:
-    os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    torch.set_num_threads(args["threads"])
+def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
+    """Every tp_mode on this rank of the (data, tensor) mesh: bytes per dim, FLOPs, step times."""
     device = args["device"]
-    if device == "cuda":  # NCCL: one GPU per rank
-        torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world, device_id=torch.device("cuda", rank))
-    else:
-        dist.init_process_group("gloo", rank=rank, world_size=world)
-    try:
-        from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.device_mesh import init_device_mesh
 
-        mesh = init_device_mesh(device, (args["dp"], args["tp"]), mesh_dim_names=(DP_DIM, TP_DIM))
-        model = _build(args["d_model"], args["blocks"], mesh, device)
-        counter = FlopCounter()
-        results = {}
-        for mode in TP_MODES:
-            opt = Muon(model.parameters(), lr=0.02, ns_dtype=args["ns_dtype"], tp_mode=mode)
-            sharding = MuonTPSharding(opt, tp_mode=mode)
-            times = []
-            for step in range(args["warmup"] + args["steps"]):
-                torch.manual_seed(step)
-                for p in model.parameters():
-                    p.grad = torch.randn_like(p)
-                if step == args["warmup"]:
-                    counter.flops = 0
-                    for stats in sharding.stats_by_dim.values():
-                        stats.reset()
-                _sync(device)
-                dist.barrier()
-                start = time.perf_counter()
-                opt.step()
-                _sync(device)
-                elapsed = torch.tensor([time.perf_counter() - start], device=device)
-                dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
-                if step >= args["warmup"]:
-                    times.append(float(elapsed))
-            n = args["steps"]
-            results[mode] = {
-                "bytes": {dim: stats.total_bytes / n for dim, stats in sharding.stats_by_dim.items()},
-                "ns_flops": counter.flops / n,
-                "optimizer_s": statistics.median(times),
-            }
-        torch.save(results, Path(out_dir) / f"rank{rank}.pt")
-    finally:
-        dist.destroy_process_group()
+    mesh = init_device_mesh(device, (args["dp"], args["tp"]), mesh_dim_names=(DP_DIM, TP_DIM))
+    model = _build(args["d_model"], args["blocks"], mesh, device)
+    counter = FlopCounter()
+    results = {}
+    for mode in TP_MODES:
+        opt = Muon(model.parameters(), lr=0.02, ns_dtype=args["ns_dtype"], tp_mode=mode)
+        sharding = MuonTPSharding(opt, tp_mode=mode)
+        times = []
+        for step in range(args["warmup"] + args["steps"]):
+            torch.manual_seed(step)
+            for p in model.parameters():
+                p.grad = torch.randn_like(p)
+            if step == args["warmup"]:
+                counter.flops = 0
+                for stats in sharding.stats_by_dim.values():
+                    stats.reset()
+            harness.sync(device)
+            dist.barrier()
+            start = time.perf_counter()
+            opt.step()
+            harness.sync(device)
+            elapsed = torch.tensor([time.perf_counter() - start], device=device)
+            dist.all_reduce(elapsed, op=dist.ReduceOp.MAX)  # the slowest rank sets the pace
+            if step >= args["warmup"]:
+                times.append(float(elapsed))
+        n = args["steps"]
+        results[mode] = {
+            "bytes": {dim: stats.total_bytes / n for dim, stats in sharding.stats_by_dim.items()},
+            "ns_flops": counter.flops / n,
+            "optimizer_s": statistics.median(times),
+        }
+    return results
 
 
 def formulas(d: int, blocks: int, dp: int, tp: int, element_size: int) -> dict[str, dict[str, float]]:
@@ -173,12 +156,6 @@ def formulas(d: int, blocks: int, dp: int, tp: int, element_size: int) -> dict[s
             flops += tp * tp_ns_flops(rows, cols, NS_STEPS, tp, mode, split)
         out[mode] = {k: blocks * v / world for k, v in (("data", data), ("tensor", tensor), ("flops", flops))}
     return out
-
-
-def _free_port() -> int:
-    with socket.socket() as s:
-        s.bind(("127.0.0.1", 0))
-        return s.getsockname()[1]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -223,32 +200,18 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
         device=a.device,
     )
     world = a.dp * a.tp
-    with tempfile.TemporaryDirectory() as out_dir:
-        mp.spawn(_worker, args=(world, _free_port(), out_dir, args), nprocs=world, join=True)
-        ranks = [torch.load(Path(out_dir) / f"rank{r}.pt", map_location="cpu") for r in range(world)]
+    machine = harness.describe_machine(a.device)
+    backend = "nccl" if a.device == "cuda" else "gloo"
+    ranks = harness.run_ranks(_worker, world, args, backend=backend, threads=a.threads)
     element_size = torch.empty(0, dtype=getattr(torch, a.ns_dtype)).element_size()
     expected = formulas(args["d_model"], args["blocks"], a.dp, a.tp, element_size)
-    machine = {
-        "cpu": platform.processor() or platform.machine(),
-        "cpu_capability": torch.backends.cpu.get_cpu_capability(),
-        "cores": os.cpu_count(),
-        "torch": torch.__version__,
-        "load_avg_1m_at_start": os.getloadavg()[0],
-        "device": a.device,
-    }
-    if a.device == "cuda":
-        machine["gpu"] = torch.cuda.get_device_name(0)
-    where = f"NCCL ranks on {machine['gpu']} GPUs, host " if a.device == "cuda" else "gloo ranks on "
     print(
-        f"bench_tp: {a.dp} x {a.tp} (data x tensor) {where}{machine['cpu']} ({machine['cores']} cores, "
-        f"{machine['cpu_capability']}), {args['blocks']} blocks of d={args['d_model']} "
+        f"bench_tp: {a.dp} x {a.tp} (data x tensor) {backend} ranks, {args['blocks']} blocks of d={args['d_model']} "
         f"(q,k,v,fc1 colwise; proj,fc2 rowwise), Newton-Schulz {a.ns_dtype}, {NS_STEPS} steps; "
         "per optimizer step, mean per rank"
     )
-    header = f"{'tp_mode':<12}{'data-dim bytes':>16}{'formula':>12}{'tensor-dim bytes':>18}{'formula':>12}"
-    header += f"{'NS GFLOP/rank':>15}{'formula':>10}{'max rank':>10}{'opt. step':>11}{'vs dup.':>9}"
-    print(header)
-    rows = {}
+    print(f"machine: {harness.machine_line(machine)}")
+    rows, lines = {}, []
     base = None
     for mode in TP_MODES:
         mean = {k: statistics.mean(r[mode]["bytes"][k] for r in ranks) for k in (DP_DIM, TP_DIM)}
@@ -265,19 +228,29 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
             "ns_flops_formula": expected[mode]["flops"],
             "optimizer_s": seconds,
         }
-        print(
-            f"{mode:<12}{mean[DP_DIM]:>16,.0f}{expected[mode]['data']:>12,.0f}{mean[TP_DIM]:>18,.0f}"
-            f"{expected[mode]['tensor']:>12,.0f}{statistics.mean(flops) / 1e9:>15.4f}"
-            f"{expected[mode]['flops'] / 1e9:>10.4f}{max(flops) / 1e9:>10.4f}{seconds * 1e3:>9.1f}ms"
-            f"{seconds / base:>9.2f}"
+        lines.append(
+            [
+                mode,
+                f"{mean[DP_DIM]:,.0f}",
+                f"{expected[mode]['data']:,.0f}",
+                f"{mean[TP_DIM]:,.0f}",
+                f"{expected[mode]['tensor']:,.0f}",
+                statistics.mean(flops) / 1e9,
+                expected[mode]["flops"] / 1e9,
+                max(flops) / 1e9,
+                seconds * 1e3,
+                seconds / base,
+            ]
         )
+    headers = ["tp_mode", "data-dim bytes", "formula", "tensor-dim bytes", "formula"]
+    headers += ["NS GFLOP/rank", "formula", "max rank", "opt. step ms", "vs duplicated"]
+    print(harness.table(headers, lines))
     print(
         "blockwise is an approximation (each block orthogonalized alone), not Muon; duplicated and "
         "distributed are exact. Bytes exclude the step's finiteness check (a few bytes per rank)."
     )
     result = {"machine": machine, "settings": args, "rows": rows}
-    a.out.parent.mkdir(parents=True, exist_ok=True)
-    a.out.write_text(json.dumps(result, indent=2))
+    harness.write_report(a.out, result)
     return result
 
 
