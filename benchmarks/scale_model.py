@@ -18,7 +18,8 @@ Rows (``SCHEMES``): plain DDP with every rank running Muon on every matrix; ``mu
 it is today (owners over all W ranks, one all-to-all after backward); ``muon_ddp`` with owner
 groups of S ranks (reduce-scatter to owners inside the group, the owner's shard all-reduced
 across groups, all-gather inside the group), without and with overlap of the reduce with
-backward; ``muon_fsdp`` in ``owner`` and ``blockwise`` modes.
+backward; ``muon_fsdp`` in ``owner`` and ``blockwise`` modes. A second table: ``muon_fsdp`` with
+tensor parallelism of degree T = 2, 4, 8 inside a node, in each ``tp_mode`` (``predict_tp``).
 
 Costs of a collective (bandwidth only; latency is not modelled): an all-reduce, reduce-scatter
 or all-gather over ranks spread as m per node on k nodes is hierarchical (NCCL's rings over
@@ -54,6 +55,7 @@ import torch
 from lightning_muon.distributed.comm import all_reduce_bytes
 from lightning_muon.distributed.fsdp import shard_rows
 from lightning_muon.distributed.planning import matrix_shapes, plan_ownership
+from lightning_muon.distributed.tp_math import TP_MODES, tp_bytes, tp_ns_flops
 from lightning_muon.newton_schulz import ns_flops, resolve_ns_method
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "scale_model.json"
@@ -620,6 +622,97 @@ def predict(shapes: ModelShapes, p: Profile, world: int, group_size: int, tokens
     return out
 
 
+# ---------------------------------------------------------------- tensor parallelism (muon_fsdp with tp_mode)
+
+TP_DEGREES = (2, 4, 8)
+# Megatron's layout: QKV and fc1 column-parallel (split along dim 0), proj and fc2 row-parallel (dim 1).
+TP_SPLIT = {"qkv": 0, "fc1": 0, "proj": 1, "fc2": 1}
+
+
+def tp_split_dim(m: Matrix) -> int:
+    """The dim tensor parallelism splits ``m`` along: by its preset name, else the MLP pattern.
+
+    A weight that widens its input (rows >= cols) is column-parallel, one that narrows it row-parallel.
+    """
+    kind = m.name.split(".")[-1]
+    if kind in TP_SPLIT:
+        return TP_SPLIT[kind]
+    return 0 if m.stored[0] >= math.prod(m.stored[1:]) else 1
+
+
+def predict_tp(shapes: ModelShapes, p: Profile, world: int, tp: int, mode: str) -> dict[str, Any] | None:
+    """``muon_fsdp`` with ``tensor_parallel_size=tp`` and ``tp_mode=mode`` at ``world`` ranks (None: does not fit).
+
+    Tensor-parallel groups lie inside a node (``tp <= ranks_per_node``, NVLink); the data dim
+    has D = W / T ranks, G / T of them per node. Per step:
+
+    - data dim (``MuonTPSharding`` steps 1 and 3): each rank sends its rows of the blocks it
+      does not own to their owners and gets them back, ``(D - 1) / D`` of its ``P / W``
+      elements each way for balanced owners, to D - 1 peers of which G / T - 1 share its node
+      (an all-to-all: both link classes at once);
+    - tensor dim (step 2): ``tp_math.tp_bytes`` per owned matrix on the owner's group, over
+      NVLink (bandwidth only: ``distributed``'s five all-reduces per bucket are latency-bound
+      on small matrices, which this does not model);
+    - Newton-Schulz FLOPs on the busiest rank: ``tp_math.tp_ns_flops`` summed over the matrices
+      its data-parallel rank owns (owners from ``plan_ownership`` over D ranks, as the sharding
+      plans them).
+    """
+    G = int(p.ranks_per_node)
+    if tp > G or world % tp or G % tp:
+        return None
+    D, per_node = world // tp, G // tp
+    wire = int(p.wire_bytes_fsdp)
+    plan = plan_ownership([m.stored for m in shapes.muon], D, batched=[m.batched for m in shapes.muon])
+    ns, tp_sent = [0.0] * D, [0.0] * D
+    for m, owner in zip(shapes.muon, plan.owners):
+        rows, cols = m.stored[0], math.prod(m.stored[1:])
+        split = tp_split_dim(m)
+        ns[owner] += tp_ns_flops(rows, cols, 5, tp, mode, split)
+        tp_sent[owner] += tp_bytes(rows, cols, 5, tp, mode, split, wire)
+    local = shapes.muon_numel / world
+    each_way = (D - 1) / D * local * wire if D > 1 else 0.0
+    intra_share = (per_node - 1) / (D - 1) if D > 1 else 0.0
+    dp_link = (each_way * intra_share, each_way * (1.0 - intra_share))
+    dp_s = 2.0 * a2a_seconds(dp_link, dp_link, p)  # to the owners and back
+    tp_s = max(tp_sent) / (p.intra_gbps * 1e9)
+    gemm = p.peak_tflops * 1e12
+    compute_s = 6.0 * shapes.total_numel * p.tokens_per_rank / (gemm * p.train_fraction)
+    optimizer = max(ns) / (gemm * p.ns_fraction) + local * p.update_bytes / (p.hbm_gbps * 1e9)
+    overhead = optimizer + dp_s + tp_s
+    return {
+        "tp": tp,
+        "tp_mode": mode,
+        "ns_flops_busiest": max(ns),
+        "intra_bytes": 2 * dp_link[0] + max(tp_sent),
+        "inter_bytes": 2 * dp_link[1],
+        "tp_bytes_busiest": max(tp_sent),
+        "optimizer_s": optimizer,
+        "exposed_comm_s": dp_s + tp_s,
+        "overhead_s": overhead,
+        "overhead_pct": 100.0 * overhead / (compute_s + overhead),
+        "exact": mode != "blockwise",
+    }
+
+
+def print_tp_tables(results: dict) -> None:
+    if not any(rows.get("tp") for res in results.values() for rows in res["worlds"].values()):
+        return
+    print("== tensor parallelism: muon_fsdp with tensor_parallel_size T (inside a node) and tp_mode ==")
+    print(
+        f"{'preset':<12} {'W':>4} {'T':>2} {'tp_mode':<12} {'NS TFLOP busiest':>16} {'intra GB':>9} {'inter GB':>9} "
+        f"{'optimizer ms':>13} {'exposed ms':>11} {'overhead ms':>12} {'% step':>7}"
+    )
+    for key, res in results.items():
+        for W, rows in res["worlds"].items():
+            for r in rows.get("tp", []):
+                print(
+                    f"{key:<12} {W:>4} {r['tp']:>2} {r['tp_mode']:<12} {r['ns_flops_busiest'] / 1e12:>16.3f} "
+                    f"{r['intra_bytes'] / 1e9:>9.3f} {r['inter_bytes'] / 1e9:>9.3f} {r['optimizer_s'] * 1e3:>13.2f} "
+                    f"{r['exposed_comm_s'] * 1e3:>11.2f} {r['overhead_s'] * 1e3:>12.2f} {r['overhead_pct']:>7.1f}"
+                )
+    print("(blockwise is not exact Muon; distributed's all-reduce latency is not modelled)")
+
+
 # ---------------------------------------------------------------- a profile measured here
 
 
@@ -703,14 +796,26 @@ SCHEME_LABELS = {
 }
 
 
-def run_model(presets: dict[str, ModelShapes], p: Profile, worlds: tuple[int, ...], group_size: int | None) -> dict:
-    """Every preset x world x scheme, with the item-4 comparison of muon_ddp against plain DDP."""
+def run_model(
+    presets: dict[str, ModelShapes],
+    p: Profile,
+    worlds: tuple[int, ...],
+    group_size: int | None,
+    tp_degrees: tuple[int, ...] = (),
+) -> dict:
+    """Every preset x world x scheme, with the item-4 comparison of muon_ddp against plain DDP.
+
+    ``tp_degrees``: also ``predict_tp``'s rows (key ``"tp"``), every ``tp_mode`` at each degree.
+    """
     results = {}
     for key, shapes in presets.items():
         per_world = {}
         for W in worlds:
             S = group_size if group_size is not None else int(p.ranks_per_node)
             rows = predict(shapes, p, W, S, p.tokens_per_rank)
+            rows["tp"] = [
+                r for T in tp_degrees for mode in TP_MODES if (r := predict_tp(shapes, p, W, T, mode)) is not None
+            ]
             ours, ref = rows["muon_ddp_groups_overlap"], rows["ddp_replicated"]
             rows["target"] = {
                 "muon_ddp_s": ours["overhead_s"],
@@ -753,6 +858,8 @@ def print_tables(results: dict, p: Profile, tokens: float) -> None:
                     f"{r['exposed_comm_s'] * 1e3:>11.2f} {r['overhead_s'] * 1e3:>12.2f} {r['overhead_pct']:>7.1f}"
                 )
         print()
+    print_tp_tables(results)
+    print()
     print_targets(results)
 
 
@@ -818,6 +925,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--group-size", type=int, default=None, help="owner_group_size S (default: ranks per node)")
     parser.add_argument("--tokens", type=float, default=None, help="tokens per rank per step (default 16384)")
     parser.add_argument("--profile", choices=("h100", "this-cpu", "this-gpu"), default="h100")
+    parser.add_argument(
+        "--tp-degrees", type=int, nargs="*", default=list(TP_DEGREES), help="tensor-parallel rows (default 2 4 8)"
+    )
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="change a profile constant")
     parser.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT}); PNG beside it"
@@ -826,6 +936,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     for w in args.worlds:
         if w < 1:
             parser.error(f"--worlds must be positive, got {w}")
+    for t in args.tp_degrees:
+        if t < 2:
+            parser.error(f"--tp-degrees must be >= 2, got {t}")
     return args
 
 
@@ -857,7 +970,7 @@ def main(argv: list[str] | None = None) -> int:
     else:
         presets = {key: PRESETS[key]() for key in args.preset}
     start = time.perf_counter()
-    results = run_model(presets, profile, tuple(args.worlds), args.group_size)
+    results = run_model(presets, profile, tuple(args.worlds), args.group_size, tuple(args.tp_degrees))
     print_tables(results, profile, profile.tokens_per_rank)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {

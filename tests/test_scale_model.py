@@ -160,3 +160,32 @@ def test_cli_writes_table_json_and_png(tmp_path, capsys):
         sm.main(["--preset", "gpt2-small", "--worlds", "8", "--set", "nvlink=1", "--out", str(out)])
     with pytest.raises(ValueError, match="group_size must divide"):
         sm.ddp_counts(sm.PRESETS["gpt2-small"](), 8, 3, 8)
+
+
+def test_tensor_parallel_rows_follow_tp_math():
+    """muon_fsdp with tensor_parallel_size T: per owner, tp_math's bytes and FLOPs, Megatron's layout."""
+    from lightning_muon.distributed.planning import plan_ownership
+    from lightning_muon.distributed.tp_math import TP_MODES, tp_bytes, tp_ns_flops
+
+    shapes = sm.gpt_preset("tiny", 64, 2, 1000, 128, tied=True)
+    assert [sm.tp_split_dim(m) for m in shapes.muon[:4]] == [0, 1, 0, 1]  # qkv, fc1 colwise; proj, fc2 rowwise
+    profile = sm.h100_profile()
+    assert sm.predict_tp(shapes, profile, 32, 16, "duplicated") is None  # wider than a node of 8
+    plan = plan_ownership([m.stored for m in shapes.muon], 4)  # W = 16, T = 4: D = 4 data-parallel ranks
+    rows = {mode: sm.predict_tp(shapes, profile, 16, 4, mode) for mode in TP_MODES}
+    for mode, row in rows.items():
+        sent, flops = [0.0] * 4, [0] * 4
+        for m, owner in zip(shapes.muon, plan.owners):
+            split = sm.tp_split_dim(m)
+            sent[owner] += tp_bytes(*m.stored, 5, 4, mode, split, 2)
+            flops[owner] += tp_ns_flops(*m.stored, 5, 4, mode, split)
+        assert row["tp_bytes_busiest"] == max(sent) and row["ns_flops_busiest"] == max(flops)
+    assert rows["blockwise"]["tp_bytes_busiest"] == 0 and not rows["blockwise"]["exact"]
+    # Distributed cuts the busiest rank's Newton-Schulz work and sends more for these shapes (10 m / n).
+    assert rows["distributed"]["ns_flops_busiest"] < rows["duplicated"]["ns_flops_busiest"]
+    assert rows["distributed"]["tp_bytes_busiest"] > rows["duplicated"]["tp_bytes_busiest"]
+    # The CLI's second table: every degree that fits a node, every mode.
+    results = sm.run_model({"tiny": shapes}, profile, (16,), None, sm.TP_DEGREES)
+    assert [(r["tp"], r["tp_mode"]) for r in results["tiny"]["worlds"][16]["tp"]] == [
+        (T, mode) for T in sm.TP_DEGREES for mode in TP_MODES
+    ]
