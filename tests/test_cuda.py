@@ -127,3 +127,21 @@ def test_one_gpu_fit_under_each_strategy(tmp_path, strategy):
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         assert bool(full.isfinite().all()), name
         assert not torch.equal(full.cpu(), before[name].cpu()), name
+
+
+def test_flex_attention_max_scores_equal_the_sdpa_drop_in_maxima():
+    # The flex path reads the kernel's own row maxima; they must equal the second Q K^T's.
+    from torch.nn.attention.flex_attention import create_block_mask
+
+    from lightning_muon.attention import flex_attention, scaled_dot_product_attention
+
+    gen = torch.Generator(device="cuda").manual_seed(0)
+    q, k, v = (torch.randn(2, 4, 128, 32, device="cuda", generator=gen) for _ in range(3))
+    flex_module, sdpa_module = nn.Module(), nn.Module()
+    for m in (flex_module, sdpa_module):
+        m.qk_clip_recording = True
+    mask = create_block_mask(lambda b, h, i, j: j <= i, None, None, 128, 128, device="cuda")
+    out = flex_attention(q, k, v, block_mask=mask, module=flex_module)
+    ref = scaled_dot_product_attention(q, k, v, is_causal=True, module=sdpa_module)
+    torch.testing.assert_close(out, ref, rtol=2e-3, atol=2e-3)
+    torch.testing.assert_close(flex_module.qk_clip_max_logits, sdpa_module.qk_clip_max_logits, rtol=1e-4, atol=1e-4)

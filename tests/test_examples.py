@@ -120,3 +120,15 @@ def test_tensor_parallel_example_runs_on_four_processes(tmp_path):
     assert proc.returncode == 0, output[-4000:]
     assert "Muon on a 2 x 2 (data x tensor) mesh, tp_mode='distributed'" in output
     assert "`max_steps=2` reached" in output
+
+
+def test_qk_clip_example_writes_report_and_plot(tmp_path):
+    out = tmp_path / "run"
+    stdout = _run(
+        str(ROOT / "examples/qk_clip/main.py"), "--steps", "2", "--accelerator", "cpu", "--out", str(out), cwd=tmp_path
+    )
+    assert "QKClip(threshold=100): max logit" in stdout
+    assert (out / "max_logit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads((out / "report.json").read_text())
+    assert [len(r["max_logit"]) for r in report["runs"].values()] == [2, 2]
+    assert all(math.isfinite(r["val_loss"]) for r in report["runs"].values())

@@ -96,7 +96,7 @@ class QKClip(Callback):
     Logged every step through ``LightningModule.log`` (so TensorBoard, CSV and any logger
     show them): ``qk_clip/max_logit/<module name>`` (the largest ``S_h`` of the layer, before
     clipping), ``qk_clip/max_logit`` (of the model) and ``qk_clip/clipped_heads`` (heads
-    clipped this step).
+    over ``threshold`` this step: the ones clipped, unless ``clip=False``).
 
     Args:
         threshold: ``tau``, the largest logit allowed (Kimi K2 and Megatron: 100).
