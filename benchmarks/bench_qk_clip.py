@@ -40,7 +40,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from bench_optimizer import describe_machine  # a sibling script, not a package
+from harness import describe_machine, machine_line, sync  # a sibling script, not a package
 
 from lightning_muon import QKClip
 from lightning_muon.attention import maxima
@@ -55,12 +55,6 @@ DEMO = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=32)
 QUICK = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8)
 
 
-def _sync(device: torch.device) -> None:
-    # CUDA runs asynchronously: without this a clock would read before queued kernels ran.
-    if device.type == "cuda":
-        torch.cuda.synchronize(device)
-
-
 class _Clock(pl.Callback):
     """Wall time from the first training batch to the end of training (setup excluded)."""
 
@@ -68,11 +62,11 @@ class _Clock(pl.Callback):
         self.start = self.end = 0.0
 
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _sync(pl_module.device)
+        sync(pl_module.device)
         self.start = time.perf_counter()
 
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        _sync(pl_module.device)
+        sync(pl_module.device)
         self.end = time.perf_counter()
 
 
@@ -90,20 +84,20 @@ class _TimedQKClip(QKClip):
         self.device = pl_module.device
 
         def timed(*args: Any, **kwargs: Any) -> torch.Tensor:
-            _sync(self.device)  # the attention work queued before is not the measurement's
+            sync(self.device)  # the attention work queued before is not the measurement's
             t0 = time.perf_counter()
             out = self._original(*args, **kwargs)
-            _sync(self.device)
+            sync(self.device)
             self.measure += time.perf_counter() - t0
             return out
 
         maxima.head_max_logits = timed  # the SDPA drop-in looks it up at each call
 
     def on_train_batch_end(self, *args: Any) -> None:
-        _sync(self.device)
+        sync(self.device)
         t0 = time.perf_counter()
         super().on_train_batch_end(*args)
-        _sync(self.device)
+        sync(self.device)
         self.hook += time.perf_counter() - t0
 
     def teardown(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
@@ -153,12 +147,12 @@ def _fit(shape: dict[str, int], steps: int, clipped: bool, workdir: Path, device
 
 def _time(fn: Any, device: torch.device, repeats: int) -> float:
     fn()  # warm-up (and compilation, for flex)
-    _sync(device)
+    sync(device)
     best = float("inf")
     for _ in range(repeats):
         t0 = time.perf_counter()
         fn()
-        _sync(device)
+        sync(device)
         best = min(best, time.perf_counter() - t0)
     return best
 
@@ -225,10 +219,7 @@ def main(argv: list[str] | None = None) -> int:
     machine = describe_machine(device)
     gpu = f", GPU {machine['gpu']} ({device})" if device.type == "cuda" else ""
     where = f"{machine['cpu']}, {machine['torch_threads']} threads{gpu}"
-    print(
-        f"machine: {machine['cpu']}, {machine['cpu_cores']} cores ({machine['torch_threads']} torch threads), "
-        f"torch {machine['torch']}{gpu}; load average {machine['load_avg_1m_at_start']:.2f}"
-    )
+    print(f"machine: {machine_line(machine)}")
     runs: list[dict[str, Any]] = []
     with tempfile.TemporaryDirectory() as tmp:
         workdir = Path(tmp)
