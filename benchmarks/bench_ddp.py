@@ -46,8 +46,10 @@ from harness import (
     describe_machine,
     load_average,
     machine_line,
+    ranks_line,
     run_ranks,
     sync,
+    targets_met,
     write_report,
 )
 
@@ -322,12 +324,9 @@ def main(argv: list[str] | None = None) -> int:
     s = settings_from_args(args)
     machine = describe_machine(s.device)
     print(f"lightning_muon DDP benchmark ({'quick' if s.quick else 'full'}), {time.strftime('%Y-%m-%d %H:%M:%S')}")
-    ranks_on = f"{s.world_size} gloo ranks"
-    if s.device == "cuda":
-        ranks_on = f"{s.world_size} NCCL ranks on cuda:0-{s.world_size - 1} ({machine['gpu']})"
     print(f"machine: {machine_line(machine)}")
     print(
-        f"ranks: {ranks_on} x {s.threads} torch thread(s), "
+        f"ranks: {ranks_line(s, machine)}, "
         f"baseline 1 process x {s.threads} (and x {s.world_size * s.threads}) thread(s)"
     )
     start = time.perf_counter()
@@ -348,8 +347,7 @@ def main(argv: list[str] | None = None) -> int:
             "owners": ranks[0]["plan"]["owners"],
         },
         **summary,
-        "targets_passed": sum(tg["passed"] for tg in summary["targets"]),
-        "targets_total": len(summary["targets"]),
+        **targets_met(summary["targets"]),
         "ranks": ranks,
         "elapsed_s": elapsed,
     }

@@ -49,11 +49,13 @@ from harness import (
     describe_machine,
     fixed_cell,
     machine_line,
+    ranks_line,
     run_ranks,
     slowest_rank_median,
     sync,
     table,
     target,
+    targets_met,
     verdict,
     write_report,
 )
@@ -412,11 +414,8 @@ def main(argv: list[str] | None = None) -> int:
     s = settings_from_args(args)
     machine = describe_machine(s.device)
     print(f"lightning_muon FSDP2 benchmark ({'quick' if s.quick else 'full'}), {time.strftime('%Y-%m-%d %H:%M:%S')}")
-    ranks_on = f"{s.world_size} gloo ranks"
-    if s.device == "cuda":
-        ranks_on = f"{s.world_size} NCCL ranks on cuda:0-{s.world_size - 1} ({machine['gpu']})"
     print(f"machine: {machine_line(machine)}")
-    print(f"ranks: {ranks_on} x {s.threads} torch thread(s), baseline 1 process x {s.threads} thread(s)")
+    print(f"ranks: {ranks_line(s, machine)}, baseline 1 process x {s.threads} thread(s)")
     start = time.perf_counter()
     ranks = rank_results(s)
     summary = summarize(s, ranks)
@@ -428,8 +427,7 @@ def main(argv: list[str] | None = None) -> int:
         "settings": s.as_json(),
         **summary,
         "projection": projection(s, ranks[0], summary),
-        "targets_passed": sum(t["passed"] for t in summary["targets"]),
-        "targets_total": len(summary["targets"]),
+        **targets_met(summary["targets"]),
         "ranks": ranks,
         "elapsed_s": elapsed,
     }

@@ -26,7 +26,16 @@ from typing import Any
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness is a sibling script
-from harness import describe_machine, load_average, machine_line, table, verdict, write_report
+from harness import (
+    check_device,
+    describe_machine,
+    load_average,
+    machine_line,
+    table,
+    targets_met,
+    verdict,
+    write_report,
+)
 from ns_tables import bench_accuracy, bench_batching, bench_gram, bench_roofline
 from step_table import bench_step
 from timing import Settings
@@ -60,9 +69,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available")
-    return args
+    return check_device(parser, args)
 
 
 def main(argv: list[str] | None = None) -> int:
@@ -103,8 +110,7 @@ def main(argv: list[str] | None = None) -> int:
     report["elapsed_s"] = time.perf_counter() - start
     report["load_avg_1m_at_end"] = load_average()
     targets = [t for s in report["sections"].values() for t in s.get("targets", [])]
-    report["targets_passed"] = sum(t["passed"] for t in targets)
-    report["targets_total"] = len(targets)
+    report.update(targets_met(targets))
     if targets:
         print("\n== targets ==")
         rows = [[t["name"], t["value"], f"{t['op']} {t['bound']}", verdict(t["passed"])] for t in targets]

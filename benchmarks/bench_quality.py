@@ -37,10 +37,8 @@ from dataclasses import asdict
 from pathlib import Path
 from typing import Any
 
-import torch
-
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness is a sibling script
-from harness import describe_machine, machine_line
+from harness import check_device, describe_machine, machine_line
 
 from lightning_muon_demo.experiment import RunSpec, steps_to_reach, train
 
@@ -158,9 +156,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
     args = parser.parse_args(argv)
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available")
-    return args
+    return check_device(parser, args)
 
 
 def main(argv: list[str] | None = None) -> int:

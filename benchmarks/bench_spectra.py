@@ -37,7 +37,7 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import describe_machine, machine_line, sync  # a sibling script, not a package
+from harness import check_device, describe_machine, machine_line, sync  # a sibling script, not a package
 
 from lightning_muon import UpdateSpectrumMonitor
 from lightning_muon_demo.data import CharTextDataModule
@@ -168,9 +168,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if any(v is not None and v < 1 for v in (args.steps, args.every, args.repeats)):
         parser.error("--steps, --every and --repeats must be >= 1")
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available")
-    return args
+    return check_device(parser, args)
 
 
 def main(argv: list[str] | None = None) -> int:

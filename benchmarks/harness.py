@@ -108,6 +108,11 @@ def finite_or_none(value: Any) -> Any:
     return value
 
 
+def targets_met(targets: list[dict[str, Any]]) -> dict[str, int]:
+    """``{"targets_passed": ..., "targets_total": ...}`` for a report."""
+    return {"targets_passed": sum(t["passed"] for t in targets), "targets_total": len(targets)}
+
+
 def write_report(path: Path, report: dict[str, Any]) -> None:
     """Writes ``report`` as JSON (non-finite numbers as null) and says where."""
     path.parent.mkdir(parents=True, exist_ok=True)
@@ -264,6 +269,14 @@ class RankSettings:
         return settings
 
 
+def ranks_line(s: RankSettings, machine: dict[str, Any]) -> str:
+    """``"2 gloo ranks x 1 torch thread(s)"`` (NCCL: the GPUs they run on)."""
+    ranks_on = f"{s.world_size} gloo ranks"
+    if s.device == "cuda":
+        ranks_on = f"{s.world_size} NCCL ranks on cuda:0-{s.world_size - 1} ({machine['gpu']})"
+    return f"{ranks_on} x {s.threads} torch thread(s)"
+
+
 def char_gpt(s: RankSettings) -> CharGPT:
     """The model the multi-process benchmarks train, the same on every rank and device."""
     torch.manual_seed(0)  # initialized on the CPU, so every rank and device starts from the same weights
@@ -286,6 +299,13 @@ def add_rank_arguments(parser: argparse.ArgumentParser, default_out: Path, quick
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo (default); cuda: NCCL, rank r on cuda:r"
     )
+
+
+def check_device(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:
+    """Refuses (argparse error, exit 2) ``--device cuda[:i]`` where CUDA is not available."""
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available")
+    return args
 
 
 def check_rank_arguments(parser: argparse.ArgumentParser, args: argparse.Namespace) -> argparse.Namespace:

@@ -70,7 +70,8 @@ def _groups(params: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
 
 
 def _optimizer(params: dict[str, torch.Tensor], ns_dtype: str = "float32") -> Muon:
-    # fp32 Newton-Schulz unless asked: the comparison is against one process (DESIGN section 6).
+    # fp32 Newton-Schulz unless asked: the comparison is against one process, and bf16 would
+    # amplify the ulp differences of another reduction order into percent-level ones.
     return Muon(_groups(params), lr=0.05, weight_decay=0.1, ns_dtype=ns_dtype, adamw_lr=0.01)
 
 
@@ -219,7 +220,8 @@ class Net(nn.Module):
 class FSDPRegressor(MuonModuleMixin, pl.LightningModule):
     """A small regressor whose every optimizer step sees the same ``SAMPLES`` samples.
 
-    Identical batches make a resumed run replay nothing that matters (DESIGN section 6).
+    Identical batches make a resumed run replay nothing that matters (Lightning replays one
+    batch after resuming a fit that stopped at max_steps).
     The step's samples are cut into ``world_size * accumulate`` micro-batches in a fixed
     order; rank ``r`` takes micro-batches ``m * world_size + r``, so one process with
     ``accumulate * world_size`` micro-batches of the same size computes every micro-batch
@@ -267,7 +269,7 @@ def dataset() -> torch.utils.data.TensorDataset:
 CONFIG = MuonConfig(
     lr=0.02,
     weight_decay=0.1,
-    ns_dtype="float32",  # DESIGN section 6: bf16 Newton-Schulz turns ulps into percents
+    ns_dtype="float32",  # bf16 Newton-Schulz turns ulps of another reduction order into percents
     adjust_lr="spectral_norm",  # sqrt(rows / cols): wrong if a shard's shape were used
     adamw_lr=1e-2,
     adamw_weight_decay=0.01,

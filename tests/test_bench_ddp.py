@@ -2,13 +2,11 @@
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
 
 import pytest
+from bench_runner import run_benchmark
 
 from lightning_muon.distributed.comm import all_reduce_bytes
 
@@ -21,15 +19,7 @@ CONFIGS = ("ddp", "reduce_scatter", "all_gather")
 @pytest.fixture(scope="module")
 def run(tmp_path_factory):
     out = tmp_path_factory.mktemp("bench_ddp") / "report.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_ddp.py"), "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    return json.loads(out.read_text()), proc.stdout
+    return run_benchmark("bench_ddp.py", out, "--quick", timeout=300)
 
 
 @pytest.mark.slow

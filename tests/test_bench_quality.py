@@ -2,27 +2,18 @@
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
+
+from bench_runner import run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quick_quality_benchmark_reports_steps_to_adamws_best(tmp_path):
     out = tmp_path / "q.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_quality.py"), "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=600,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["machine"] in proc.stdout and "Muon steps / AdamW steps" in proc.stdout
+    report, stdout = run_benchmark("bench_quality.py", out, "--quick", timeout=600)
+    assert report["machine"] in stdout and "Muon steps / AdamW steps" in stdout
     curves = report["mean_curves"]
     assert set(curves) == {"muon", "adamw", "muon_keller", "muon_schedulefree"}
     # The Schedule-Free row: Muon's chosen lr, Schedule-Free AdamW on the rest, constant schedule.
@@ -30,7 +21,7 @@ def test_quick_quality_benchmark_reports_steps_to_adamws_best(tmp_path):
     assert (sf_run["spec"]["optimizer"], sf_run["spec"]["schedule"]) == ("muon", "constant")
     assert sf_run["spec"]["lr"] == report["chosen_lr"]["muon"]
     assert report["final_val_loss_by_seed"]["muon_schedulefree"] == [sf_run["val_loss"][-1]]
-    assert "Muon + SF-AdamW, constant" in proc.stdout and "Muon + Schedule-Free AdamW (constant) -" in proc.stdout
+    assert "Muon + SF-AdamW, constant" in stdout and "Muon + Schedule-Free AdamW (constant) -" in stdout
     target = report["target_val_loss"]
     assert target == min(curves["adamw"]["val_loss"])
     for name, curve in curves.items():

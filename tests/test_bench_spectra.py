@@ -2,28 +2,19 @@
 
 from __future__ import annotations
 
-import json
 import math
-import subprocess
-import sys
 from pathlib import Path
+
+from bench_runner import run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
 def test_quick_benchmark_writes_the_overhead_line(tmp_path):
     out = tmp_path / "spectra.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_spectra.py"), "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=300,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
-    assert report["machine"]["cpu"] in proc.stdout  # the table line names the machine
-    assert "== spectra overhead" in proc.stdout and report["result"]["line"] in proc.stdout
+    report, stdout = run_benchmark("bench_spectra.py", out, "--quick", timeout=300)
+    assert report["machine"]["cpu"] in stdout  # the table line names the machine
+    assert "== spectra overhead" in stdout and report["result"]["line"] in stdout
     runs = report["runs"]
     assert [r["monitored"] for r in runs] == [False, True]
     monitored = runs[1]

@@ -4,7 +4,6 @@ every benchmark script takes ``--device cuda``."""
 from __future__ import annotations
 
 import importlib.util
-import json
 import math
 import subprocess
 import sys
@@ -12,6 +11,7 @@ from pathlib import Path
 
 import pytest
 import torch
+from bench_runner import run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("accuracy", "step", "roofline", "batching", "gram")
@@ -32,20 +32,12 @@ def _leaves(value):
 
 def test_quick_benchmark_writes_every_table(tmp_path):
     out = tmp_path / "x.json"
-    proc = subprocess.run(
-        [sys.executable, str(ROOT / "benchmarks" / "bench_optimizer.py"), "--quick", "--out", str(out)],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-        timeout=120,
-    )
-    assert proc.returncode == 0, proc.stderr[-3000:]
-    report = json.loads(out.read_text())
+    report, stdout = run_benchmark("bench_optimizer.py", out, "--quick", timeout=120)
 
     machine = report["machine"]
     for key in ("cpu", "cpu_cores", "torch", "cpu_capability", "device"):
         assert machine[key] not in (None, ""), key
-    assert machine["cpu"] in proc.stdout  # the printed header names the same machine
+    assert machine["cpu"] in stdout  # the printed header names the same machine
 
     for name in SECTIONS:
         section = report["sections"][name]
@@ -56,7 +48,7 @@ def test_quick_benchmark_writes_every_table(tmp_path):
         numbers = [v for v in leaves if isinstance(v, (int, float)) and not isinstance(v, bool)]
         assert numbers, name
         assert all(math.isfinite(v) for v in numbers), name
-        assert f"== {name}" in proc.stdout
+        assert f"== {name}" in stdout
 
 
 def _load(path: Path, monkeypatch: pytest.MonkeyPatch):

@@ -205,3 +205,12 @@ def test_jsonargparse_rejects_a_bad_value_with_the_field_name():
     parser.add_argument("--muon", type=MuonConfig)
     with pytest.raises((jsonargparse.ArgumentError, ValueError), match=r"lr"):
         parser.instantiate(parser.parse_string("muon:\n  lr: -1.0\n"))
+
+
+def test_config_variant_fields_reach_the_optimizer():
+    all_on = dict(momentum_form="sum", second_moment="normuon", weight_decay_form="cautious", ns_method="gram")
+    config = MuonConfig(**all_on, sign_momentum=True, second_moment_beta2=0.8)
+    opt = Muon([torch.zeros(4, 4, requires_grad=True)], **config.optimizer_kwargs())
+    group = opt.param_groups[0]
+    assert {k: group[k] for k in all_on} == all_on
+    assert group["sign_momentum"] is True and group["second_moment_beta2"] == 0.8

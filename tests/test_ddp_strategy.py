@@ -112,7 +112,7 @@ def _reference(tmp_path, precision, **kwargs) -> dict:
 
     Under AMP each rank's weight-gradient GEMM reduces over its own samples and rounds to
     bf16/fp16, one process over all of them: gradients differ at 2^-9, and Newton-Schulz
-    turns that into percent-level parameter differences (DESIGN section 6). Plain DDP at the
+    turns that into percent-level parameter differences within a few steps. Plain DDP at the
     same world size computes the very same per-rank gradients, so there the only difference
     left is how the two ranks' gradients are summed.
     """
@@ -160,7 +160,8 @@ def test_overflow_on_one_rank_skips_the_step_everywhere(tmp_path, precision):
 
 def test_checkpoint_from_two_ranks_resumes_on_one_and_three(tmp_path):
     # The same 6 samples every step, so that resuming (which replays a batch) sees what an
-    # uninterrupted run sees (DESIGN section 6); 6 divides among 1, 2 and 3 ranks.
+    # uninterrupted run sees (Lightning replays one batch after resuming a fit that stopped at
+    # max_steps); 6 divides among 1, 2 and 3 ranks.
     kwargs = dict(global_batch=6, samples=6)
     _fit(tmp_path / "full", "auto", 1, steps=6, **kwargs)
     _fit(tmp_path / "two", "muon_ddp_spawn", 2, steps=3, **kwargs)

@@ -43,7 +43,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 # Newton-Schulz in float32 everywhere below: the automatic policy may pick bf16 on this
-# CPU, and bf16 turns one-ulp input differences into visible ones (DESIGN section 6).
+# CPU, and bf16 turns one-ulp input differences (another reduction order) into percent-level ones.
 FP32 = {"ns_dtype": "float32"}
 
 
@@ -389,7 +389,8 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     # total_steps comes from the trainer (max_steps=8) in every run.
     config = MuonConfig(falloff="cosine", warmup=2, min_lr_ratio=0.1, momentum_warmup_steps=5, **FP32)
     # Every batch is the same: a resumed fit with a plain DataLoader replays one batch
-    # (DESIGN section 6), and with identical batches that cannot change the result, so
+    # (Lightning does so after a fit that stopped at max_steps), and with identical batches
+    # that cannot change the result, so
     # the comparison measures the optimizer and scheduler state only.
     dataset = _data(32, identical_batches_of=4)
 

@@ -10,70 +10,13 @@ import warnings
 
 import pytest
 import torch
+from muon_reference import muon64, random_tensors, run_steps
 from torch import nn
 from torch.testing import assert_close
 
 from lightning_muon import Muon
-from lightning_muon.newton_schulz import COEFFICIENTS, NORMALIZATION
 
 pytestmark = pytest.mark.numerics
-
-# ------------------------------------------------------------------ float64 reference
-
-# DESIGN section 2, written out independently of lightning_muon.functional.
-REFERENCE_ADJUST = {
-    "original": lambda r, c: math.sqrt(max(1.0, r / c)),
-    "shape_scaling": lambda r, c: math.sqrt(max(1.0, r / c)),
-    "match_rms_adamw": lambda r, c: 0.2 * math.sqrt(max(r, c)),
-    "spectral": lambda r, c: math.sqrt(max(r, c)),
-    "spectral_norm": lambda r, c: math.sqrt(r / c),
-    "unit_rms_norm": lambda r, c: math.sqrt(r / c),
-    "none": lambda r, c: 1.0,
-}
-
-
-def reference_newton_schulz(M: torch.Tensor, coefficients, steps: int) -> torch.Tensor:
-    """Quintic Newton-Schulz in float64, straight from the formula, on the short side."""
-    if isinstance(coefficients, str):
-        schedule, (safety, eps) = list(COEFFICIENTS[coefficients]), NORMALIZATION[coefficients]
-    else:
-        schedule, (safety, eps) = list(coefficients), (1.0, 1e-7)
-    schedule = (schedule + [schedule[-1]] * steps)[:steps]
-    tall = M.shape[0] > M.shape[1]
-    X = M.T if tall else M
-    X = X / (torch.linalg.matrix_norm(X) * safety + eps)
-    for a, b, c in schedule:
-        A = X @ X.T
-        X = a * X + (b * A + c * A @ A) @ X
-    return X.T if tall else X
-
-
-def reference_muon(W, grads, *, lr, momentum, nesterov, weight_decay, coefficients, steps, adjust, extra=1.0):
-    """The Muon loop of DESIGN section 4 in float64: returns final weights and momentum."""
-    W = W.to(torch.float64, copy=True)
-    B = torch.zeros_like(W)
-    for G in grads:
-        G = G.to(torch.float64)
-        B = momentum * B + (1 - momentum) * G
-        U = (1 - momentum) * G + momentum * B if nesterov else B
-        M = U.reshape(U.shape[0], -1)  # convs as (out, in * kh * kw)
-        Q = reference_newton_schulz(M, coefficients, steps).reshape(W.shape)
-        W = W * (1 - lr * weight_decay) - lr * REFERENCE_ADJUST[adjust](*M.shape) * extra * Q
-    return W, B
-
-
-def random_tensors(shapes, seed, dtype=torch.float32):
-    gen = torch.Generator().manual_seed(seed)
-    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
-
-
-def run_steps(opt, params, grad_steps):
-    """Feed a fixed sequence of gradients: grad_steps[t][i] is param i's grad at step t."""
-    for grads in grad_steps:
-        for p, g in zip(params, grads):
-            p.grad = g.clone()
-        opt.step()
-
 
 # -------------------------------------------------------------- parity: torch.optim.Muon
 
@@ -82,7 +25,7 @@ def run_steps(opt, params, grad_steps):
 def test_matches_torch_muon_in_bfloat16(shape):
     """10 steps equal torch.optim.Muon (keller, nesterov, adjust "original", weight decay)."""
     lr, wd = 0.02, 0.1
-    (W0,) = random_tensors([shape], seed=0)
+    (W0,) = random_tensors([shape], seed=0, dtype=torch.float32)
     ours_p, ref_p = nn.Parameter(W0.clone()), nn.Parameter(W0.clone())
     ours = Muon(
         [ours_p], lr=lr, momentum=0.95, nesterov=True, weight_decay=wd, ns_coefficients="keller",
@@ -98,7 +41,7 @@ def test_matches_torch_muon_in_bfloat16(shape):
     # instead would differ by 2-4 ulps per step and fail.
     step_atol = lr * math.sqrt(2) * 2**-8
     for t in range(10):
-        (g,) = random_tensors([shape], seed=1 + t)
+        (g,) = random_tensors([shape], seed=1 + t, dtype=torch.float32)
         before = ours_p.detach().clone(), ref_p.detach().clone()
         ours_p.grad, ref_p.grad = g.clone(), g.clone()
         ours.step()
@@ -142,7 +85,7 @@ def test_matches_float64_reference(case, shape, dtype):
         extra_scale_factor=extra,
     )  # fmt: skip
     run_steps(opt, [p], [[g.to(dtype)] for g in grads])
-    W_ref, B_ref = reference_muon(W0, grads, **hp, coefficients=coefficients, steps=steps, adjust=adjust, extra=extra)
+    W_ref, B_ref, _ = muon64(W0, grads, **hp, coefficients=coefficients, steps=steps, adjust=adjust, extra=extra)
     if dtype == torch.float64:
         # Same math, different association (baddbmm vs a @ b + c): rounding only, measured <= 1.4e-15.
         atol, momentum_atol = 1e-12, 1e-14
@@ -164,12 +107,12 @@ def test_matches_float64_reference(case, shape, dtype):
 def test_adamw_group_matches_torch_adamw(foreach):
     """12 steps equal torch.optim.AdamW bit for bit (same op order as its loops)."""
     shapes = [(7,), (5, 3), (2, 3, 4), ()]
-    W0 = random_tensors(shapes, seed=3)
+    W0 = random_tensors(shapes, seed=3, dtype=torch.float32)
     ours_ps, ref_ps = [nn.Parameter(w.clone()) for w in W0], [nn.Parameter(w.clone()) for w in W0]
     hp = dict(lr=1e-2, betas=(0.9, 0.99), eps=1e-6, weight_decay=0.05)
     ours = Muon([{"params": ours_ps, "algorithm": "adamw", **hp}])
     ref = torch.optim.AdamW(ref_ps, **hp, foreach=foreach)
-    grads = [random_tensors(shapes, seed=20 + t) for t in range(12)]
+    grads = [random_tensors(shapes, seed=20 + t, dtype=torch.float32) for t in range(12)]
     run_steps(ours, ours_ps, grads)
     run_steps(ref, ref_ps, grads)
     for p, q in zip(ours_ps, ref_ps):
@@ -180,11 +123,11 @@ def test_adamw_group_matches_torch_adamw(foreach):
 
 def test_adamw_defaults_come_from_constructor_arguments():
     """adamw_lr, adamw_betas, adamw_eps and adamw_weight_decay reach AdamW groups and their math."""
-    W0 = random_tensors([(6,)], seed=4)[0]
+    W0 = random_tensors([(6,)], seed=4, dtype=torch.float32)[0]
     p, q = nn.Parameter(W0.clone()), nn.Parameter(W0.clone())
     ours = Muon([p], adamw_lr=3e-3, adamw_betas=(0.8, 0.9), adamw_eps=1e-5, adamw_weight_decay=0.2)
     ref = torch.optim.AdamW([q], lr=3e-3, betas=(0.8, 0.9), eps=1e-5, weight_decay=0.2)
-    grads = [random_tensors([(6,)], seed=30 + t) for t in range(10)]
+    grads = [random_tensors([(6,)], seed=30 + t, dtype=torch.float32) for t in range(10)]
     run_steps(ours, [p], grads)
     run_steps(ref, [q], grads)
     assert ours.param_groups[0]["algorithm"] == "adamw"
@@ -230,13 +173,13 @@ def test_lion_defaults_fall_back_to_adamw_values():
 
 def test_conv_weight_equals_its_flattened_matrix():
     """A (out, in, kh, kw) weight is orthogonalized as (out, in * kh * kw), in any memory format."""
-    (c4,) = random_tensors([(6, 4, 3, 3)], seed=6)
+    (c4,) = random_tensors([(6, 4, 3, 3)], seed=6, dtype=torch.float32)
     conv = nn.Parameter(c4.clone())
     conv_cl = nn.Parameter(c4.clone().to(memory_format=torch.channels_last))
     flat = nn.Parameter(c4.flatten(1).clone())
     opts = [Muon([p], lr=0.05, weight_decay=0.1) for p in (conv, conv_cl, flat)]
     for t in range(5):
-        (g,) = random_tensors([(6, 4, 3, 3)], seed=50 + t)
+        (g,) = random_tensors([(6, 4, 3, 3)], seed=50 + t, dtype=torch.float32)
         conv.grad, conv_cl.grad, flat.grad = g.clone(), g.to(memory_format=torch.channels_last), g.flatten(1)
         for opt in opts:
             opt.step()
@@ -248,10 +191,10 @@ def test_conv_weight_equals_its_flattened_matrix():
 
 def test_non_contiguous_matrix_equals_contiguous():
     """A transposed-storage parameter takes the same update as a contiguous copy."""
-    (W0,) = random_tensors([(8, 12)], seed=7)
+    (W0,) = random_tensors([(8, 12)], seed=7, dtype=torch.float32)
     a, b = nn.Parameter(W0.clone()), nn.Parameter(W0.t().contiguous().t())
     assert not b.is_contiguous()
-    grads = [random_tensors([(8, 12)], seed=60 + t) for t in range(5)]
+    grads = [random_tensors([(8, 12)], seed=60 + t, dtype=torch.float32) for t in range(5)]
     run_steps(Muon([a], lr=0.05, weight_decay=0.1), [a], grads)
     run_steps(Muon([b], lr=0.05, weight_decay=0.1), [b], grads)
     assert torch.equal(a, b)
@@ -261,14 +204,14 @@ def test_non_contiguous_matrix_equals_contiguous():
 def test_split_sizes_equal_separate_parameters(adjust_lr):
     """A fused (24 + 8 + 16, 8) QKV weight with split_sizes equals three separate matrices."""
     sizes, cols = (24, 8, 16), 8
-    (W0,) = random_tensors([(sum(sizes), cols)], seed=8)
+    (W0,) = random_tensors([(sum(sizes), cols)], seed=8, dtype=torch.float32)
     fused = nn.Parameter(W0.clone())
     parts = [nn.Parameter(w.clone()) for w in W0.split(sizes)]
     hp = dict(lr=0.05, weight_decay=0.1, adjust_lr=adjust_lr)
     fused_opt = Muon([{"params": [fused], "split_sizes": list(sizes)}], **hp)
     parts_opt = Muon([{"params": parts}], **hp)
     for t in range(5):
-        (g,) = random_tensors([(sum(sizes), cols)], seed=70 + t)
+        (g,) = random_tensors([(sum(sizes), cols)], seed=70 + t, dtype=torch.float32)
         fused.grad = g.clone()
         for p, gp in zip(parts, g.split(sizes)):
             p.grad = gp.clone()
@@ -492,7 +435,7 @@ def test_state_is_per_parameter_and_shaped_like_it():
 
 
 def hybrid_params():
-    return [nn.Parameter(t) for t in random_tensors([(6, 4), (3, 2, 2), (4,), (5,)], seed=11)]
+    return [nn.Parameter(t) for t in random_tensors([(6, 4), (3, 2, 2), (4,), (5,)], seed=11, dtype=torch.float32)]
 
 
 def hybrid_optimizer(params, lr: float, **kwargs) -> Muon:
@@ -521,7 +464,11 @@ def test_zero_lr_step_changes_no_parameter(grads):
     opt = hybrid_optimizer(params, lr=0.0)
     for t in range(2):  # the second step runs with state present
         for i, p in enumerate(params):
-            p.grad = random_tensors([p.shape], seed=90 + 10 * t + i)[0] if grads == "random" else torch.zeros_like(p)
+            p.grad = (
+                random_tensors([p.shape], seed=90 + 10 * t + i, dtype=torch.float32)[0]
+                if grads == "random"
+                else torch.zeros_like(p)
+            )
         opt.step()
     for p, b in zip(params, before):
         assert torch.equal(p.detach(), b)
@@ -661,7 +608,7 @@ def test_nonfinite_skip_warns_changes_nothing_and_recovers():
     opt = hybrid_optimizer(params, lr=0.01, nonfinite="skip")
     clean_opt = hybrid_optimizer(clean, lr=0.01)
 
-    grads = [random_tensors([p.shape for p in params], seed=200 + t) for t in range(3)]
+    grads = [random_tensors([p.shape for p in params], seed=200 + t, dtype=torch.float32) for t in range(3)]
     run_steps(opt, params, grads[:1])
     run_steps(clean_opt, clean, grads[:1])
     snap = snapshot(params, opt)
@@ -683,7 +630,7 @@ def test_nonfinite_ignore_checks_nothing_and_steps_like_raise_on_finite_gradient
     params, checked = hybrid_params(), hybrid_params()
     opt = hybrid_optimizer(params, lr=0.01, nonfinite="ignore")
     checked_opt = hybrid_optimizer(checked, lr=0.01)
-    grads = [random_tensors([p.shape for p in params], seed=300 + t) for t in range(2)]
+    grads = [random_tensors([p.shape for p in params], seed=300 + t, dtype=torch.float32) for t in range(2)]
     run_steps(opt, params, grads)
     run_steps(checked_opt, checked, grads)
     for p, q in zip(params, checked):

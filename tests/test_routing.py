@@ -6,9 +6,11 @@ import textwrap
 
 import pytest
 import torch
+from muon_reference import muon64, random_tensors
 from torch import nn
+from torch.testing import assert_close
 
-from lightning_muon import Muon, Rule, route_parameters
+from lightning_muon import Muon, MuonConfig, Rule, route_parameters
 from lightning_muon_demo.models import CharGPT
 
 D = 16  # model width of the small transformers below
@@ -553,3 +555,42 @@ def test_muon_trains_on_the_routed_groups():
     for g in optimizer.param_groups:
         keys = {"momentum_buffer"} if g["algorithm"] == "muon" else {"step", "exp_avg", "exp_avg_sq"}
         assert all(set(optimizer.state[p]) == keys for p in g["params"]), g["name"]
+
+
+# ------------------------------------------------------- Megatron's split_qkv
+
+
+class _GQAttention(nn.Module):
+    def __init__(self, d: int = 8, groups: int = 2, heads_per_group: int = 2, head_dim: int = 2) -> None:
+        super().__init__()
+        self.linear_qkv = nn.Linear(d, groups * (heads_per_group + 2) * head_dim)
+        self.proj = nn.Linear(d, d)
+        self.head = nn.Linear(d, 3)
+
+
+def test_split_qkv_routes_fused_qkv_weights_with_megatron_split():
+    """split_qkv + qkv_split_shapes: the fused weight (by name or is_qkv) is split as Megatron does."""
+    model = _GQAttention()
+    config = MuonConfig(split_qkv=True, qkv_split_shapes=[4, 2, 2])
+    groups = route_parameters(model, **config.routing_kwargs())
+    qkv = next(g for g in groups if g["name"] == "muon_qkv")
+    assert qkv["param_names"] == ["linear_qkv.weight"] and qkv["split_sizes"] == [4, 2, 2]
+    assert groups.assignments["proj.weight"] == "hidden_matrices"
+    # Megatron's attribute works whatever the name.
+    other = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2))
+    other[0].weight.is_qkv = True
+    groups = route_parameters(other, **config.routing_kwargs())
+    assert groups.assignments["0.weight"] == "split_qkv"
+    # Stepping the routed model: the QKV weight moves as the formula with Megatron's row layout says.
+    W0 = model.linear_qkv.weight.detach().double().clone()
+    model = model.double()
+    opt = Muon(route_parameters(model, **config.routing_kwargs()), **config.optimizer_kwargs())
+    grads = random_tensors([W0.shape] * 3, seed=21, dtype=torch.float64)
+    for g in grads:
+        opt.zero_grad()
+        for p in model.parameters():
+            p.grad = torch.zeros_like(p)
+        model.linear_qkv.weight.grad = g.clone()
+        opt.step()
+    W_ref, _, _ = muon64(W0, grads, lr=0.02, momentum=0.95, weight_decay=0.0, split_sizes=(4, 2, 2))
+    assert_close(model.linear_qkv.weight.detach(), W_ref, atol=1e-12, rtol=0)

@@ -19,6 +19,7 @@ sys.path.insert(0, str(ROOT / "benchmarks"))
 import bench_ddp  # noqa: E402
 import bench_fsdp  # noqa: E402
 import scale_model as sm  # noqa: E402
+from harness import char_gpt  # noqa: E402
 
 TINY = dict(quick=True, threads=1, n_layer=1, n_embd=16, n_head=2, block_size=8, batch=1, warmup=0, steps=1)
 
@@ -33,15 +34,15 @@ def _fsdp_settings(world: int) -> bench_fsdp.Settings:
 
 def _both_benches(rank: int, world: int) -> tuple[dict, dict]:
     """One rank of bench_ddp.py, then of bench_fsdp.py, in the same gloo group (one launch for both)."""
-    ddp = bench_ddp._rank_main(rank, _ddp_settings(world))
-    fsdp = bench_fsdp._rank_main(rank, _fsdp_settings(world))
+    ddp = bench_ddp._rank_main(rank, world, _ddp_settings(world))
+    fsdp = bench_fsdp._rank_main(rank, world, _fsdp_settings(world))
     return ddp["configs"], fsdp["configs"]
 
 
 def assert_ddp_counts(s: bench_ddp.Settings, ranks: list[dict]) -> None:
     """bench_ddp.py's counted bytes and FLOPs per rank (``configs`` of each rank) equal the scale model's."""
     world = s.world_size
-    model = bench_ddp._model(s)
+    model = char_gpt(s)
     shapes = sm.shapes_from_optimizer("CharGPT", model, bench_ddp._optimizer(model))
     dtype = resolve_ns_dtype(None, "cpu", torch.float32)  # the benchmark's automatic dtype
     # One node of `world` ranks: every byte is intra-node, as on the benchmark's host.
@@ -67,7 +68,7 @@ def assert_ddp_counts(s: bench_ddp.Settings, ranks: list[dict]) -> None:
 
 def assert_fsdp_counts(s: bench_fsdp.Settings, ranks: list[dict]) -> None:
     """bench_fsdp.py's counted Muon bytes and FLOPs per rank, both modes, equal the scale model's."""
-    model = bench_fsdp._model(s)
+    model = char_gpt(s)
     shapes = sm.shapes_from_optimizer("CharGPT", model, bench_ddp._optimizer(model))
     itemsize = torch.float32.itemsize if s.ns_dtype == "float32" else None
     assert itemsize is not None, "the counts are compared with Newton-Schulz pinned to float32"

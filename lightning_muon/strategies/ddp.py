@@ -84,7 +84,8 @@ class MuonDDPStrategy(DDPStrategy):
 
         def reduced_closure() -> Any:
             # After backward, before AMP unscaling and clipping: every rank then sees the
-            # same overflow decision (DESIGN section 6).
+            # same overflow decision (GradScaler decides per rank: reducing inside step() could
+            # make ranks disagree and deadlock).
             output = closure()
             sharding.reduce_gradients()
             return output

@@ -1,0 +1,153 @@
+"""The float64 reference for Newton-Schulz and Muon, written from the formulas alone.
+
+Every test that checks the optimizer's math against "the formula" uses these, so there is
+one reference, independent of ``lightning_muon.functional`` (only the coefficient tables
+are read from the library: they are data, checked against their sources in
+test_newton_schulz.py). The Muon step for a matrix W with gradient G, as torch.optim.Muon
+writes it::
+
+    B <- mu B + (1 - mu) G                    (ema; "sum": B <- mu B + G)
+    U <- (1 - mu) G + mu B if nesterov else B (sum: G + mu B)
+    O <- NS(U)                                quintic Newton-Schulz on the short side,
+                                              per piece of a split (fused QKV) matrix
+    W <- W (1 - lr wd) - lr adjust(rows, cols) O
+
+with NorMuon / AdaMuon second moments, sign momentum and cautious weight decay as options.
+"""
+
+from __future__ import annotations
+
+import math
+from collections.abc import Sequence
+
+import torch
+
+from lightning_muon.newton_schulz import COEFFICIENTS, NORMALIZATION
+
+# adjust_lr modes: the lr scale for a (rows, cols) matrix.
+ADJUST = {
+    "original": lambda r, c: math.sqrt(max(1.0, r / c)),
+    "shape_scaling": lambda r, c: math.sqrt(max(1.0, r / c)),
+    "match_rms_adamw": lambda r, c: 0.2 * math.sqrt(max(r, c)),
+    "spectral": lambda r, c: math.sqrt(max(r, c)),
+    "spectral_norm": lambda r, c: math.sqrt(r / c),
+    "unit_rms_norm": lambda r, c: math.sqrt(r / c),
+    "none": lambda r, c: 1.0,
+}
+
+
+def newton_schulz64(
+    M: torch.Tensor, coefficients: str | Sequence[Sequence[float]] = "polar_express", steps: int = 5
+) -> torch.Tensor:
+    """Quintic Newton-Schulz in float64 on the short side: ``A = X X^T; X = a X + (b A + c A A) X``.
+
+    ``X`` starts as ``M / (||M||_F * safety + eps)`` (the schedule's normalization; 1 and 1e-7
+    for a list of coefficients); a schedule shorter than ``steps`` repeats its last tuple.
+    """
+    if isinstance(coefficients, str):
+        schedule, (safety, eps) = list(COEFFICIENTS[coefficients]), NORMALIZATION[coefficients]
+    else:
+        schedule, (safety, eps) = list(coefficients), (1.0, 1e-7)
+    schedule = (schedule + [schedule[-1]] * steps)[:steps]
+    tall = M.shape[0] > M.shape[1]
+    X = M.T if tall else M  # (short, long)
+    X = X / (torch.linalg.matrix_norm(X) * safety + eps)
+    for a, b, c in schedule:
+        A = X @ X.T  # (short, short)
+        X = a * X + (b * A + c * A @ A) @ X
+    return X.T if tall else X
+
+
+def polar_factor(G: torch.Tensor) -> torch.Tensor:
+    """``U V^T`` of the float64 SVD ``G = U S V^T``: what Newton-Schulz approximates."""
+    U, _, Vh = torch.linalg.svd(G.double(), full_matrices=False)
+    return U @ Vh
+
+
+def piece_rows(rows: int, split_sizes: Sequence[int] | None) -> list[list[int]]:
+    """Row indices of each matrix Muon orthogonalizes: Megatron's per-group [q | k | v] layout."""
+    if not split_sizes:
+        return [list(range(rows))]
+    total, out, offset = sum(split_sizes), [], 0
+    for size in split_sizes:
+        out.append([g * total + offset + j for g in range(rows // total) for j in range(size)])
+        offset += size
+    return out
+
+
+def muon64(
+    W0: torch.Tensor,
+    grads: Sequence[torch.Tensor],
+    *,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    nesterov: bool = True,
+    weight_decay: float = 0.1,
+    coefficients: str | Sequence[Sequence[float]] = "polar_express",
+    steps: int = 5,
+    adjust: str = "original",
+    extra: float = 1.0,
+    momentum_form: str = "ema",
+    second_moment: str | None = None,
+    beta2: float = 0.9,
+    eps: float = 1e-8,
+    sign_momentum: bool = False,
+    weight_decay_form: str = "decoupled",
+    split_sizes: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
+    """The Muon loop over ``grads`` in float64: final weights, momentum and second moment.
+
+    Tensors of more than 2 dims are taken as ``(rows, prod(rest))`` matrices (a conv as
+    ``(out, in * kh * kw)``). ``extra`` is the extra scale factor on the update. The second
+    moment is ``None`` without one, else shaped ``(rows, 1)`` (NorMuon) or ``(rows, cols)``
+    (AdaMuon).
+    """
+    W = W0.to(torch.float64, copy=True)
+    B = torch.zeros_like(W)
+    rows = W.shape[0]
+    V = None
+    if second_moment == "normuon":
+        V = torch.zeros(rows, 1, dtype=torch.float64)
+    elif second_moment == "adamuon":
+        V = torch.zeros(rows, W[0].numel(), dtype=torch.float64)
+    for G in grads:
+        G = G.to(torch.float64)
+        if momentum_form == "ema":
+            B = momentum * B + (1 - momentum) * G
+            U = (1 - momentum) * G + momentum * B if nesterov else B
+        else:
+            B = momentum * B + G
+            U = G + momentum * B if nesterov else B
+        if sign_momentum:
+            U = torch.sign(U)
+        M = U.reshape(rows, -1)
+        step = torch.zeros_like(M)  # the update direction, lr aside
+        for idx in piece_rows(rows, split_sizes):
+            Q = newton_schulz64(M[idx], coefficients, steps)  # the orthogonalized piece, O above
+            if second_moment is not None:
+                stat = (Q**2).mean(dim=1, keepdim=True) if second_moment == "normuon" else Q**2
+                V[idx] = beta2 * V[idx] + (1 - beta2) * stat
+                Q_hat = Q / (V[idx].sqrt() + eps)
+                Q = Q_hat * torch.linalg.matrix_norm(Q) / torch.linalg.matrix_norm(Q_hat)
+            step[idx] = ADJUST[adjust](len(idx), M.shape[1]) * extra * Q
+        Wm = W.reshape(rows, -1)
+        if weight_decay_form == "decoupled":
+            Wm = Wm * (1 - lr * weight_decay)
+        else:  # cautious: decay where the update (subtracted) and W agree in sign
+            Wm = Wm - lr * weight_decay * (step * Wm >= 0).double() * Wm  # a bool mask times a float is float32
+        W = (Wm - lr * step).reshape(W.shape)
+    return W, B, V
+
+
+def random_tensors(shapes: Sequence[Sequence[int]], seed: int, dtype: torch.dtype) -> list[torch.Tensor]:
+    """Standard normal tensors of ``shapes``, drawn in float64 from ``seed`` (the same values in every dtype)."""
+    gen = torch.Generator().manual_seed(seed)
+    return [torch.randn(s, generator=gen, dtype=torch.float64).to(dtype) for s in shapes]
+
+
+def run_steps(opt: torch.optim.Optimizer, params: Sequence[torch.Tensor], grad_steps) -> None:
+    """Feed a fixed sequence of gradients: ``grad_steps[t][i]`` is param i's grad at step t."""
+    for grads in grad_steps:
+        for p, g in zip(params, grads):
+            p.grad = g.clone()
+        opt.step()

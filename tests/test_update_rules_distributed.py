@@ -1,0 +1,151 @@
+"""Every update-rule variant under sharding equals one process: MuonSharding (DDP) and
+MuonFSDPSharding (FSDP2) on 2 gloo ranks, in one launch."""
+
+from __future__ import annotations
+
+import pytest
+import torch
+from dist_utils import run_distributed
+from torch import nn
+from torch.testing import assert_close
+
+from lightning_muon import Muon, route_parameters
+from lightning_muon.distributed.sharded import MuonSharding
+
+pytestmark = [pytest.mark.numerics, pytest.mark.distributed]
+
+# ------------------------------------------------------- distributed: equal to one process
+
+DIST_VARIANTS = [
+    dict(momentum_form="sum"),
+    dict(second_moment="normuon", weight_decay_form="cautious"),
+    dict(second_moment="adamuon", sign_momentum=True, nesterov=False),
+    dict(ns_method="gram", momentum_form="sum", second_moment="normuon"),
+]
+DIST_STEPS, DIST_BATCH = 5, 12
+
+
+def _dist_model() -> nn.Module:
+    torch.manual_seed(0)
+    return nn.Sequential(
+        nn.Linear(8, 32), nn.Tanh(), nn.Linear(32, 16), nn.Tanh(), nn.Linear(16, 24), nn.Tanh(), nn.Linear(24, 4)
+    )
+
+
+def _dist_train(rank: int, world: int) -> list[dict]:
+    """Every variant in turn, MuonSharding (reduce_scatter) when world > 1; params and full states."""
+    out = []
+    for variant in DIST_VARIANTS:
+        model = _dist_model()
+        opt = Muon(route_parameters(model), lr=0.02, weight_decay=0.1, ns_dtype="float32", adamw_lr=1e-2, **variant)
+        sharding = MuonSharding(opt) if world > 1 else None
+        muon_ids = {id(p) for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]}
+        for step in range(DIST_STEPS):
+            gen = torch.Generator().manual_seed(100 + step)
+            x, y = torch.randn(DIST_BATCH, 8, generator=gen), torch.randn(DIST_BATCH, 4, generator=gen)
+            lo, hi = rank * DIST_BATCH // world, (rank + 1) * DIST_BATCH // world
+            opt.zero_grad()
+            nn.functional.mse_loss(model(x[lo:hi]), y[lo:hi]).backward()
+            if sharding is not None:
+                for p in model.parameters():  # plain DDP's share: everything but the Muon matrices
+                    if id(p) not in muon_ids:
+                        torch.distributed.all_reduce(p.grad)
+                        p.grad /= world
+                sharding.reduce_gradients()
+            opt.step()
+        muon_params = [p for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]]
+        states = sharding.gather_states() if sharding is not None else [dict(opt.state[p]) for p in muon_params]
+        out.append({"params": [p.detach().clone() for p in model.parameters()], "states": states})
+    return out
+
+
+# FSDP2: Shard(0) DTensors, whole matrices orthogonalized by owners (MuonFSDPSharding).
+FSDP_SHAPES = {"a": (5, 4), "b": (6, 7), "conv": (4, 2, 3, 3), "experts": (3, 4, 5)}
+
+
+def _fsdp_run(rank: int, world: int) -> list[dict]:
+    """Every variant in turn on Shard(0) DTensors (world > 1) or plain tensors; full params and states."""
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_muon.distributed.fsdp import MuonFSDPSharding
+
+    mesh = init_device_mesh("cpu", (world,)) if world > 1 else None
+    place = (lambda t: distribute_tensor(t.clone(), mesh, [Shard(0)])) if mesh else (lambda t: t.clone())
+    full = lambda t: t.full_tensor() if mesh else t
+    out = []
+    for variant in DIST_VARIANTS:
+        gen = torch.Generator().manual_seed(0)
+        params = {n: nn.Parameter(place(torch.randn(s, generator=gen))) for n, s in FSDP_SHAPES.items()}
+        grads = [{n: torch.randn(s, generator=gen) for n, s in FSDP_SHAPES.items()} for _ in range(4)]
+        groups = [
+            {"params": [params[n] for n in ("a", "b", "conv")], "algorithm": "muon"},
+            {"params": [params["experts"]], "algorithm": "muon", "batched": True},
+        ]
+        opt = Muon(groups, lr=0.05, weight_decay=0.1, ns_dtype="float32", **variant)
+        if mesh:
+            MuonFSDPSharding(opt)
+        for step in range(4):
+            for n, p in params.items():
+                p.grad = place(grads[step][n])
+            opt.step()
+        states = {n: {k: full(v) for k, v in opt.state[p].items()} for n, p in params.items()}
+        types = {type(v).__name__ for p in params.values() for v in opt.state[p].values()}
+        out.append({"params": {n: full(p.detach()) for n, p in params.items()}, "states": states, "types": types})
+    return out
+
+
+def _both(rank: int, world: int) -> dict:
+    return {"sharded": _dist_train(rank, world), "fsdp": _fsdp_run(rank, world)}
+
+
+@pytest.fixture(scope="module")
+def distributed_runs() -> dict:
+    """One spawn of 2 gloo ranks runs every variant under MuonSharding and under FSDP2; one process too."""
+    return {"single": _both(0, 1), "ranks": run_distributed(_both, 2)}
+
+
+def _tolerance(variant: dict) -> float:
+    # fp32; the gradient average's summation order differs (~1e-7 relative), which
+    # Newton-Schulz keeps near 1e-6 over 5 steps. Gram Newton-Schulz carries R = X X^T
+    # between restarts, whose rounding (eps ||X||^2) swamps the near-zero singular values
+    # of rank-deficient gradients (batch 12 < 16 rows) that the polynomial then amplifies:
+    # perturbing every gradient by 1e-7 relative moved the weights by 0.9-1.4e-6 with the
+    # standard iteration and by 2.2-4.2e-6 with Gram (5 seeds, measured).
+    return 5e-6 if variant.get("ns_method") == "gram" else 1e-6
+
+
+def test_sharded_variants_equal_single_process(distributed_runs):
+    """Two gloo ranks with owner-based Newton-Schulz equal one process for every variant; the
+    gathered checkpoint state (momentum and second moments, whichever rank owns them) too."""
+    single = distributed_runs["single"]["sharded"]
+    for v, variant in enumerate(DIST_VARIANTS):
+        atol = _tolerance(variant)
+        for res in (r["sharded"] for r in distributed_runs["ranks"]):
+            for a, b in zip(res[v]["params"], single[v]["params"]):
+                assert_close(a, b, rtol=1e-5, atol=atol, msg=lambda m, variant=variant: f"{variant}: {m}")
+            for got, want in zip(res[v]["states"], single[v]["states"]):
+                assert set(got) == set(want), variant
+                for key in want:
+                    assert_close(got[key], want[key], rtol=1e-5, atol=atol)
+        if "second_moment" in variant:
+            assert all("second_moment" in s for s in single[v]["states"])
+
+
+def test_fsdp_variants_equal_single_process(distributed_runs):
+    """Under FSDP2 every variant's state is a Shard(0) DTensor made from its param (NorMuon's per-row
+    buffer, AdaMuon's per-element one) and the steps equal one process."""
+    single = distributed_runs["single"]["fsdp"]
+    for v, variant in enumerate(DIST_VARIANTS):
+        atol = _tolerance(variant)
+        for res in (r["fsdp"] for r in distributed_runs["ranks"]):
+            assert res[v]["types"] == {"DTensor"}, variant
+            for n, want in single[v]["params"].items():
+                label = f"{variant} {n}"
+                assert_close(
+                    res[v]["params"][n], want, rtol=1e-5, atol=atol, msg=lambda m, label=label: f"{label}: {m}"
+                )
+            for n, state in single[v]["states"].items():
+                assert set(res[v]["states"][n]) == set(state)
+                for key, want in state.items():
+                    assert_close(res[v]["states"][n][key], want, rtol=1e-5, atol=atol)
