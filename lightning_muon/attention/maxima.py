@@ -176,20 +176,24 @@ def head_max_logits(
         mask = attn_mask.expand(*batch, H, Tq, Tk).reshape(B, G, r, Tq, Tk)
         if mask.dtype != torch.bool:
             mask = mask > torch.finfo(mask.dtype).min / 2
-    # Query blocks of t rows: one (B*G, r*t, Tk) batched product each, masked in place (no
+    # Query blocks of t rows: one (B*G, r*t, k) batched product each, masked in place (no
     # second score-sized tensor), reduced at once: 4x faster than a broadcast 5-D matmul with
     # an out-of-place masked_fill (demo shapes, 1 CPU thread: 4.7 ms against 18.4 ms).
+    # Causal: block b only needs keys 0 .. stop-1, so four blocks skip ~3/8 of Q K^T.
     block = max(1, _MAX_SCORE_ELEMENTS // max(1, B * H * Tk))
+    if is_causal and attn_mask is None:
+        block = min(block, max(16, -(-Tq // 4)))
     best = torch.full((G, r), float("-inf"), device=query.device)
     for start in range(0, Tq, block):
         stop = min(Tq, start + block)
+        keys = min(Tk, stop) if is_causal else Tk  # causal: key j <= query i < stop
         qb = q[:, :, :, start:stop].reshape(B * G, r * (stop - start), d)  # (B*G, r*t, d)
-        scores = torch.bmm(qb, kt).view(B, G, r, stop - start, Tk)  # (B, G, r, t, Tk)
+        scores = torch.bmm(qb, kt[:, :, :keys]).view(B, G, r, stop - start, keys)  # (B, G, r, t, k)
         if is_causal:
             rows = torch.arange(start, stop, device=query.device)[:, None]
-            scores.masked_fill_(torch.arange(Tk, device=query.device)[None, :] > rows, float("-inf"))  # (t, Tk)
+            scores.masked_fill_(torch.arange(keys, device=query.device)[None, :] > rows, float("-inf"))  # (t, k)
         if mask is not None:
-            scores.masked_fill_(~mask[..., start:stop, :], float("-inf"))
+            scores.masked_fill_(~mask[..., start:stop, :keys], float("-inf"))
         best = torch.maximum(best, scores.amax(dim=(0, 3, 4)).float())
     # The scale is positive, so it commutes with the max; applied once on (G, r) numbers.
     return (best * scale).reshape(H)
