@@ -28,6 +28,7 @@ __all__ = [
     "lion_",
     "matrix_slots",
     "matrix_views",
+    "piece_shapes",
     "muon_apply_",
     "muon_momentum_",
     "muon_orthogonalize",
@@ -102,11 +103,34 @@ def matrix_views(
       the orientation.
     """
     slots = matrix_slots(t, split_sizes, batched, transposed)
-    if batched or slots[0].ndim == 2:
-        return slots
-    if transposed:
-        return [s.reshape(s.shape[0], -1) for s in slots]
-    return [s.reshape(-1, s.shape[-1]) for s in slots]
+    return [s.reshape(shape) for s, shape in zip(slots, piece_shapes(t.shape, split_sizes, batched, transposed))]
+
+
+def piece_shapes(
+    shape: Sequence[int], split_sizes: Sequence[int] | None = None, batched: bool = False, transposed: bool = False
+) -> list[tuple[int, ...]]:
+    """The shapes of ``matrix_views``' pieces for a tensor of ``shape``, without a tensor.
+
+    The one place that says which matrices a tensor holds: ``matrix_views`` reshapes its
+    slots to these shapes, owner planning counts Newton-Schulz FLOPs on them, and the
+    FSDP2 sharding rebuilds its pieces with them (a row shard has the same columns).
+
+    - ``batched``: one piece ``(B, rows, cols)``, ``B`` the product of the leading dims.
+    - otherwise ``(dim 0, rest)``; with ``split_sizes`` summing to ``S``, ``groups = out / S``
+      (``out`` the output axis: dim 0, or dim 1 when ``transposed``) and piece ``i`` is
+      ``(groups * split_sizes[i], cols)``, or ``(rows, groups * split_sizes[i])`` transposed.
+    """
+    shape = tuple(shape)
+    if batched:
+        return [(math.prod(shape[:-2]), *shape[-2:])]
+    rows, cols = shape[0], math.prod(shape[1:])
+    if not split_sizes:
+        return [(rows, cols)]
+    if transposed:  # the output axis is dim 1: cut columns
+        groups = cols // sum(split_sizes)
+        return [(rows, groups * size) for size in split_sizes]
+    groups = rows // sum(split_sizes)
+    return [(groups * size, cols) for size in split_sizes]
 
 
 def matrix_slots(

@@ -6,12 +6,14 @@ import inspect
 import math
 import numbers
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
 from lightning_muon.distributed.tp_math import TP_MODES
 from lightning_muon.functional import (
@@ -33,23 +35,24 @@ from lightning_muon.newton_schulz import (
     BATCH_MAX_ELEMENTS,
     check_ns_dtype,
     check_ns_method,
+    dtype_name,
     resolve_coefficients,
     resolve_ns_dtype,
 )
 
-__all__ = ["ALGORITHMS", "SCHEDULE_FREE", "Muon"]
+if TYPE_CHECKING:
+    from lightning_muon.distributed.protocol import Sharding
+
+__all__ = ["ALGORITHMS", "SCHEDULE_FREE", "Muon", "UpdateHook"]
+
+# ``hook(group, params, updates, ortho)``: see ``Muon.register_update_hook``.
+UpdateHook = Callable[[dict, list, list, list], None]
 
 SCHEDULE_FREE = "adamw_schedulefree"
 ALGORITHMS = ("muon", "adamw", "lion", SCHEDULE_FREE)
 _NONFINITE = ("raise", "skip", "ignore")
 # State entries shaped like their parameter (second moments may be reduced: not checked).
 _PARAM_SHAPED = ("momentum_buffer", "exp_avg", "exp_avg_sq")
-_DTYPE_NAMES = {
-    torch.float32: "float32",
-    torch.bfloat16: "bfloat16",
-    torch.float64: "float64",
-    torch.float16: "float16",
-}
 
 
 class Muon(Optimizer):
@@ -239,17 +242,60 @@ class Muon(Optimizer):
             # Errors name the keyword the user passed: adamw_eps, lion_betas, ...
             prefix = "" if algorithm == "muon" else f"{algorithm}_"
             _validate_hparams(defaults, algorithm, where="Muon()", prefix=prefix)
+        self._sharding: Sharding | None = None
+        self._update_hooks: OrderedDict[int, UpdateHook] = OrderedDict()
         # Only keys every group has live in ``defaults``: Optimizer copies them into each
         # group, and LearningRateMonitor would read ``betas`` from every group if it were here.
         super().__init__(_as_groups(params), {"momentum": momentum})
 
-    _sharding = None  # a MuonSharding when Newton-Schulz is split across ranks
-    # Called as ``observer(group, params, updates, ortho)`` after orthogonalization, on the
-    # rank that steps the matrices: ``updates`` are the momentum tensors fed to Newton-Schulz,
-    # ``ortho`` per parameter its list of pieces, as they are applied (before the lr scale).
-    _update_observer = None
     # A schedulefree.AdamWScheduleFree run over this optimizer's schedule-free groups and state.
     _schedule_free = None
+
+    # ------------------------------------------------------------------ sharding and hooks
+
+    @property
+    def sharding(self) -> Sharding | None:
+        """The ``distributed.Sharding`` that splits Newton-Schulz across ranks, or None (one process)."""
+        return self._sharding
+
+    def attach_sharding(self, sharding: Sharding | None) -> None:
+        """Let ``sharding`` split this optimizer's Muon work across ranks (None: detach).
+
+        A ``Sharding`` calls this from its constructor; ``step`` then asks it which
+        parameters this rank steps (``owns``), what part of a gradient it holds
+        (``local_shard``), whether every rank's gradients are finite (``step_finite``), to
+        orthogonalize (``orthogonalize``) and to share the results (``gather_parameters``).
+        """
+        if sharding is not None and sharding.optimizer is not self:
+            raise ValueError("Muon.attach_sharding: the sharding was built for another optimizer")
+        self._sharding = sharding
+
+    def register_update_hook(self, hook: UpdateHook) -> RemovableHandle:
+        """Call ``hook(group, params, updates, ortho)`` on every Muon update; returns a handle to remove it.
+
+        Called after orthogonalization (and any second moment), before the update is
+        applied, on the rank that steps the matrices: ``updates`` are the momentum tensors
+        fed to Newton-Schulz, ``ortho`` per parameter its list of pieces (shaped like
+        ``functional.matrix_views``), as they are applied before the lr scale. Under a
+        sharding that holds whole matrices only on owners (FSDP2) the sharding runs the
+        hooks there, with the whole matrices, before any second moment. Hooks must not
+        modify their arguments. ``handle.remove()`` unregisters it, as for torch's hooks.
+        """
+        handle = RemovableHandle(self._update_hooks)
+        self._update_hooks[handle.id] = hook
+        return handle
+
+    @property
+    def has_update_hooks(self) -> bool:
+        """True when an update hook is registered."""
+        return bool(self._update_hooks)
+
+    def run_update_hooks(
+        self, group: dict[str, Any], params: list[Tensor], updates: list[Tensor], ortho: list[list[Tensor]]
+    ) -> None:
+        """Call every registered update hook, in registration order (a sharding that observes updates calls it)."""
+        for hook in list(self._update_hooks.values()):
+            hook(group, params, updates, ortho)
 
     @classmethod
     def option_names(cls, algorithm: str) -> frozenset[str]:
@@ -494,25 +540,25 @@ class Muon(Optimizer):
     def _grads_finite(self, work: list) -> bool:
         """True when the step may go on; False to skip it; raises for ``nonfinite="raise"``.
 
-        Every rank of a sharded run reaches the same answer: the sharding's ``remote_nonfinite``
-        is the agreed bit over every gradient any rank's step reads (see ``MuonSharding``).
+        Under a sharding every rank reaches the same answer: the verdict is the one the
+        ranks agreed on (``Sharding.step_finite``), over every gradient any rank's step reads.
         """
         if self.nonfinite == "ignore":
             return True
+        precheck = self._take_precheck()
         sharding = self._sharding
-        remote = sharding is not None and sharding.remote_nonfinite
-        verdict = self._take_precheck()
-        if verdict is not None:
-            local_ok, culprit = verdict
+        if sharding is not None:
+            verdict = sharding.step_finite()
+            ok, local_ok, where = verdict.finite, verdict.local_finite, verdict.culprit
+            culprit = precheck[1] if precheck is not None and not precheck[0] else None
         else:
-            grads = [g for _, _, gs in work for g in gs]
-            # DTensor gradients (FSDP2): each rank checks the shard it holds (an empty one has
-            # no max); the sharding's remote_nonfinite makes the ranks agree.
-            shard = getattr(sharding, "local_shard", None)
-            if shard is not None:
-                grads = [s for s in map(shard, grads) if s.numel()]
-            local_ok, culprit = (not grads or all_finite(grads)), None
-        if local_ok and not remote:
+            if precheck is not None:
+                local_ok, culprit = precheck
+            else:
+                grads = [g for _, _, gs in work for g in gs]
+                local_ok, culprit = (not grads or all_finite(grads)), None
+            ok, where = local_ok, None
+        if ok:
             return True
         if self.nonfinite == "skip":
             warnings.warn(
@@ -524,7 +570,6 @@ class Muon(Optimizer):
             raise FloatingPointError(
                 f"Muon: non-finite gradient in {culprit}; pass nonfinite='skip' to skip such steps"
             )
-        where = getattr(sharding, "nonfinite_culprit", None)
         raise FloatingPointError(
             "Muon: non-finite gradient on another rank"
             + (f", in {where}" if where else " (its error names the parameter)")
@@ -533,15 +578,15 @@ class Muon(Optimizer):
 
     def _local_grads(self) -> list[tuple[int, int, Tensor]]:
         """(group index, index in group, this rank's gradient) for every gradient a step here reads."""
-        shard = getattr(self._sharding, "local_shard", None)
+        sharding = self._sharding
         out = []
         for i, group in enumerate(self.param_groups):
             for j, p in enumerate(group["params"]):
                 if p.grad is None or p.numel() == 0:
                     continue
-                if self._sharding is not None and not self._sharding.owns(p):
+                if sharding is not None and not sharding.owns(p):
                     continue
-                g = p.grad if shard is None else shard(p.grad)
+                g = p.grad if sharding is None else sharding.local_shard(p.grad)
                 if g.numel():
                     out.append((i, j, g))
         return out
@@ -615,7 +660,7 @@ class Muon(Optimizer):
         # temporary that Newton-Schulz may iterate in place. A matrix that runs alone gets it
         # made in the work dtype (the cast folded into the momentum kernel, no staging copy);
         # small ones are cast on their way into a batched stack, so theirs stays as it is.
-        donate = group["nesterov"] and self._update_observer is None and self._sharding is None
+        donate = group["nesterov"] and not self._update_hooks and self._sharding is None
         out_dtypes = None
         if donate:
             alone = group["split_sizes"] is None and not group["batched"]
@@ -633,9 +678,9 @@ class Muon(Optimizer):
         ortho = self._orthogonalize(group, params, updates, donate=donate)
         if group["second_moment"] is not None:
             ortho = self._second_moment(group, params, ortho)
-        # A sharding that holds the full matrices only on owner ranks calls the observer itself.
-        if self._update_observer is not None and not getattr(self._sharding, "observes_updates", False):
-            self._update_observer(group, params, updates, ortho)
+        # A sharding that holds the full matrices only on owner ranks runs the hooks itself.
+        if self._update_hooks and (self._sharding is None or not self._sharding.observes_updates):
+            self.run_update_hooks(group, params, updates, ortho)
         muon_apply_(
             params,
             ortho,
@@ -670,7 +715,7 @@ class Muon(Optimizer):
     def _orthogonalize(
         self, group: dict, params: list[Tensor], updates: list[Tensor], donate: bool = False
     ) -> list[list[Tensor]]:
-        """Per update, its orthogonalized pieces; a sharding with ``orthogonalize`` does it across ranks."""
+        """Per update, its orthogonalized pieces; a sharding does it across ranks."""
         kwargs = dict(
             ns_steps=group["ns_steps"],
             ns_coefficients=group["ns_coefficients"],
@@ -680,9 +725,8 @@ class Muon(Optimizer):
             batched=group["batched"],
             transposed=group["transposed"],
         )
-        sharded = getattr(self._sharding, "orthogonalize", None)
-        if sharded is not None:
-            return sharded(params, updates, **kwargs)
+        if self._sharding is not None:
+            return self._sharding.orthogonalize(params, updates, **kwargs)
         # Pieces stay in Newton-Schulz's dtype: muon_apply_ adds them into the parameters in one pass.
         return muon_orthogonalize(updates, **kwargs, keep_work_dtype=True, donate=donate)
 
@@ -767,7 +811,7 @@ def _as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
 def _dtype_name(dtype: torch.dtype | str | None) -> str | None:
     # Groups keep a plain string: checkpoints (torch.save and distributed) store it as is.
     resolved = check_ns_dtype(dtype)
-    return None if resolved is None else _DTYPE_NAMES.get(resolved, str(resolved).removeprefix("torch."))
+    return None if resolved is None else dtype_name(resolved)
 
 
 def _check_number(

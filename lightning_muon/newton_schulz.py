@@ -43,6 +43,7 @@ from torch import Tensor
 __all__ = [
     "BATCH_MAX_ELEMENTS",
     "COEFFICIENTS",
+    "DTYPES",
     "FAST_BF16_ENV",
     "GRAM_MIN_ASPECT",
     "GRAM_MIN_SHORT_SIDE",
@@ -50,6 +51,7 @@ __all__ = [
     "NS_METHODS",
     "bf16_matmul_is_fast",
     "check_ns_method",
+    "dtype_name",
     "gram_restarts",
     "ns_flops",
     "ns_flops_as_run",
@@ -239,14 +241,25 @@ def bf16_matmul_is_fast(device: torch.device | str) -> bool:
     return False
 
 
-_DTYPE_NAMES = {
+# The one table of dtype names: param groups keep ``ns_dtype`` as one of these strings
+# (checkpoints, torch.save and distributed alike, store it as is), and the DDP sharding
+# describes the state entries it sends by them.
+DTYPES: dict[str, torch.dtype] = {
     "float32": torch.float32,
     "bfloat16": torch.bfloat16,
     "float64": torch.float64,
     "float16": torch.float16,
-    "fp32": torch.float32,
-    "bf16": torch.bfloat16,
+    "int64": torch.int64,
+    "int32": torch.int32,
 }
+# Short names accepted for ``ns_dtype``.
+_DTYPE_ALIASES = {"fp32": torch.float32, "bf16": torch.bfloat16}
+_NS_DTYPE_NAMES = {**{n: d for n, d in DTYPES.items() if d.is_floating_point}, **_DTYPE_ALIASES}
+
+
+def dtype_name(dtype: torch.dtype) -> str:
+    """The name of ``dtype`` in ``DTYPES`` (``"float32"``, ...); other dtypes by their torch name."""
+    return next((name for name, d in DTYPES.items() if d == dtype), str(dtype).removeprefix("torch."))
 
 
 def resolve_ns_dtype(
@@ -270,9 +283,9 @@ def check_ns_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     if dtype is None:
         return None
     if isinstance(dtype, str):
-        if dtype not in _DTYPE_NAMES:
-            raise ValueError(f"ns_dtype must be None, a torch dtype or one of {sorted(_DTYPE_NAMES)}, got {dtype!r}")
-        return _DTYPE_NAMES[dtype]
+        if dtype not in _NS_DTYPE_NAMES:
+            raise ValueError(f"ns_dtype must be None, a torch dtype or one of {sorted(_NS_DTYPE_NAMES)}, got {dtype!r}")
+        return _NS_DTYPE_NAMES[dtype]
     if not isinstance(dtype, torch.dtype) or not dtype.is_floating_point:
         raise ValueError(f"ns_dtype must be a floating torch dtype, got {dtype!r}")
     return dtype

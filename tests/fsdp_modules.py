@@ -89,7 +89,7 @@ def reference_run(ns_dtype: str = "float32") -> dict[str, Any]:
     params = {n: t.clone() for n, t in full.items()}
     opt = _optimizer(params, ns_dtype)
     log: list = []
-    opt._update_observer = _record(log, {id(p): n for n, p in params.items()})
+    opt.register_update_hook(_record(log, {id(p): n for n, p in params.items()}))
     for step in range(STEPS):
         for n, p in params.items():
             p.grad = None if n == "unused" else grads[step][n].clone()
@@ -124,7 +124,7 @@ def _sharded_run(mesh, mode: str, ns_dtype: str = "float32") -> dict[str, Any]:
     opt = _optimizer(params, ns_dtype)
     sharding = MuonFSDPSharding(opt, mode=mode)
     log: list = []
-    opt._update_observer = _record(log, {id(p): n for n, p in params.items()})
+    opt.register_update_hook(_record(log, {id(p): n for n, p in params.items()}))
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         for step in range(STEPS):
@@ -320,7 +320,7 @@ def fit_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, An
     )
     trainer.fit(model, ckpt_path=spec.get("ckpt_path"))
     state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
-    sharding = trainer.optimizers[0]._sharding
+    sharding = trainer.optimizers[0].sharding
     return {
         "params": state if rank == 0 else None,
         "global_step": trainer.global_step,

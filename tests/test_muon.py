@@ -788,7 +788,7 @@ def test_step_on_donated_temporaries_equals_the_observed_path(ns_dtype):
         params = [torch.nn.Parameter(torch.randn(*s) * 0.02) for s in shapes]
         opt = Muon([{"params": params, "algorithm": "muon", "ns_dtype": ns_dtype}], lr=0.02, weight_decay=0.01)
         if observed:
-            opt._update_observer = lambda group, ps, updates, ortho: None
+            opt.register_update_hook(lambda group, ps, updates, ortho: None)
         gen = torch.Generator().manual_seed(1)
         for _ in range(3):
             for p in params:

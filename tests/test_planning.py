@@ -3,8 +3,10 @@
 from __future__ import annotations
 
 import pytest
+import torch
 
 from lightning_muon.distributed.planning import matrix_shapes, plan_ownership
+from lightning_muon.functional import matrix_views
 from lightning_muon.newton_schulz import ns_flops
 
 
@@ -58,3 +60,27 @@ def test_bad_world_size(world_size):
 def test_per_parameter_options_must_match_the_shapes():
     with pytest.raises(ValueError, match="one entry per shape"):
         plan_ownership([(4, 4), (4, 4)], world_size=2, batched=[False])
+
+
+@pytest.mark.parametrize(
+    ("shape", "split_sizes", "batched", "transposed"),
+    [
+        ((32, 16), (8, 4, 4), False, False),  # grouped QKV: 2 query groups of [q | k | v]
+        ((16, 32), (8, 4, 4), False, True),  # the same, stored (fan_in, fan_out) as GPT-2's Conv1D
+        ((96, 32), (32, 32, 32), False, False),
+        ((8, 3, 3, 3), None, False, False),
+        ((2, 4, 16, 8), None, True, False),
+    ],
+)
+def test_planning_counts_the_matrices_newton_schulz_sees(shape, split_sizes, batched, transposed):
+    # The plan must cost what matrix_views hands to Newton-Schulz: for grouped QKV each piece
+    # gathers its block from every query group, (groups * size_i, cols), not (size_i, cols).
+    views = matrix_views(torch.zeros(shape), split_sizes, batched, transposed)
+    expected = [tuple(m.shape[-2:]) for v in views for m in (v if v.ndim == 3 else [v])]
+    assert matrix_shapes(shape, split_sizes, batched, transposed) == expected
+    plan = plan_ownership([shape], 2, split_sizes=[split_sizes], batched=[batched], transposed=[transposed])
+    assert plan.flops == (sum(ns_flops(r, c, 5) for r, c in expected),)
+
+
+def test_grouped_qkv_is_planned_by_its_whole_pieces():
+    assert matrix_shapes((32, 16), split_sizes=[8, 4, 4]) == [(16, 16), (8, 16), (8, 16)]

@@ -368,7 +368,7 @@ def test_csv_logger_run_logs_every_key_at_optimizer_steps(tmp_path):
     model, trainer = _demo(tmp_path, monitor, CSVLogger(tmp_path), steps=5, accumulate=2)
     assert Counting.calls == 3  # one Muon group, observed on logging steps only
     assert monitor.logged_steps == 3 and monitor.last_logged_step == 4
-    assert "_update_observer" not in trainer.optimizers[0].__dict__  # detached after the fit
+    assert not trainer.optimizers[0].has_update_hooks  # removed after the fit
     rows = _csv_rows(tmp_path)
     key = "spectra/model.blocks.0.attn.qkv.weight/sigma_max"
     assert [int(r["step"]) for r in rows if r.get(key)] == [0, 2, 4]

@@ -219,7 +219,7 @@ def test_update_observer_sees_the_pieces_as_applied():
     p = nn.Parameter(W0.clone())
     opt = Muon([{"params": [p], "split_sizes": [4, 8]}], lr=0.1, second_moment="adamuon")
     seen = []
-    opt._update_observer = lambda group, params, updates, ortho: seen.append([o.clone() for o in ortho[0]])
+    opt.register_update_hook(lambda group, params, updates, ortho: seen.append([o.clone() for o in ortho[0]]))
     run_steps(opt, [p], [random_tensors([(12, 30)], seed=13, dtype=torch.float64)])
     delta = torch.cat([-0.1 * ADJUST["original"](*o.shape) * o for o in seen[0]])
     assert_close(p.detach() - W0, delta, atol=1e-14, rtol=0)

@@ -243,7 +243,7 @@ def tp_fit_worker(rank: int, world_size: int, runs: list[dict[str, Any]]) -> lis
                 out.append({"error": f"{type(err).__name__}: {str(err)[:400]}"})
             continue
         trainer.fit(model, ckpt_path=spec.get("ckpt_path"))
-        sharding = trainer.optimizers[0]._sharding
+        sharding = trainer.optimizers[0].sharding
         out.append(
             {
                 "params": full_params(model),

@@ -197,13 +197,13 @@ class SpectrumCollector:
         only what it owns, so every rank observes. Otherwise every rank steps every matrix
         with the same result: rank zero alone measures them.
         """
-        if getattr(optimizer, "_sharding", None) is not None or self.has_dtensors:
+        if getattr(optimizer, "sharding", None) is not None or self.has_dtensors:
             return True
         return rank == 0
 
     @torch.no_grad()
     def observe(self, group: dict, params: list[Tensor], updates: list[Tensor], ortho: list[list[Tensor]]) -> None:
-        """``Muon._update_observer``: measure the watched matrices among ``params``."""
+        """An update hook (``Muon.register_update_hook``): measure the watched matrices among ``params``."""
         for p, u, pieces in zip(params, updates, ortho):
             target = self._by_id.get(id(p))
             if target is not None:

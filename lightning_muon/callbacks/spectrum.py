@@ -11,6 +11,7 @@ from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.loggers import TensorBoardLogger
 from lightning.pytorch.utilities.rank_zero import rank_zero_warn
+from torch.utils.hooks import RemovableHandle
 from typing_extensions import override
 
 from lightning_muon.callbacks._spectra import MatrixSpectrum, SpectrumCollector, render_heatmap
@@ -157,6 +158,7 @@ class UpdateSpectrumMonitor(Callback):
         self.logged_steps = 0
         self._collector: SpectrumCollector | None = None
         self._optimizers: list[Muon] = []
+        self._handles: list[RemovableHandle] = []  # update hooks registered for the step being logged
         self._due_step: int | None = None
         self._heatmap_rows: list[str] = []
         self._warned: set[str] = set()
@@ -195,13 +197,6 @@ class UpdateSpectrumMonitor(Callback):
                 "UpdateSpectrumMonitor: the trainer has no logger; the latest spectra are kept in `last_metrics` only",
                 category=RuntimeWarning,
             )
-        for opt in self._optimizers:
-            observer = opt.__dict__.get("_update_observer")
-            if observer is not None and getattr(observer, "__self__", None) is not self._collector:
-                raise RuntimeError(
-                    "UpdateSpectrumMonitor: the Muon optimizer already has an update observer; "
-                    "use one UpdateSpectrumMonitor per trainer"
-                )
 
     @override
     def on_train_batch_start(
@@ -218,7 +213,7 @@ class UpdateSpectrumMonitor(Callback):
         self._due_step = step
         for opt in self._optimizers:
             if self._collector.observes_on(opt, trainer.global_rank):
-                opt._update_observer = self._collector.observe
+                self._handles.append(opt.register_update_hook(self._collector.observe))
 
     @override
     def on_before_optimizer_step(
@@ -281,9 +276,9 @@ class UpdateSpectrumMonitor(Callback):
                 writer.add_image("spectra/heatmap", image, step, dataformats="HWC")
 
     def _detach(self) -> None:
-        for opt in self._optimizers:
-            if self._collector is not None and opt.__dict__.get("_update_observer") == self._collector.observe:
-                del opt._update_observer  # back to the class default, None
+        for handle in self._handles:
+            handle.remove()
+        self._handles = []
 
     @override
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:

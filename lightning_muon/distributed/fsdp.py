@@ -35,13 +35,13 @@ import warnings
 from collections.abc import Sequence
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
-from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
+from lightning_muon.distributed.comm import CommStats, all_to_all_v
 from lightning_muon.distributed.planning import plan_ownership
-from lightning_muon.functional import all_finite, muon_orthogonalize
+from lightning_muon.distributed.protocol import Sharding
+from lightning_muon.functional import muon_orthogonalize, piece_shapes
 from lightning_muon.newton_schulz import resolve_ns_dtype
 
 __all__ = ["FSDP_MODES", "MuonFSDPSharding", "shard_rows"]
@@ -56,16 +56,14 @@ def shard_rows(rows: int, world_size: int) -> list[int]:
 
 
 def _matrix_shape(shape: Sequence[int], batched: bool) -> tuple[int, ...]:
-    """The shape of the one matrix piece (or batch of matrices) Muon makes of a tensor."""
-    if batched:
-        return (shape[0], *shape[-2:])
-    return (shape[0], math.prod(shape[1:]))
+    # The one piece (no split_sizes under FSDP2) of a tensor, or of its row shard.
+    return piece_shapes(shape, None, batched)[0]
 
 
-class MuonFSDPSharding:
+class MuonFSDPSharding(Sharding):
     """Owner-based, exact Newton-Schulz for one ``Muon`` optimizer over FSDP2-sharded parameters.
 
-    Attaches itself as ``optimizer._sharding``. Every Muon parameter must be a DTensor
+    A ``Sharding`` that attaches itself to the optimizer. Every Muon parameter must be a DTensor
     sharded on dim 0 over one 1-D device mesh (what ``fully_shard`` makes). Owners are
     planned once, over all Muon parameters by their global shapes, balancing Newton-Schulz
     FLOPs (``plan_ownership``); every rank computes the same plan.
@@ -79,23 +77,22 @@ class MuonFSDPSharding:
     Notes:
         ``split_sizes`` (fused QKV split along dim 0) and batched tensors with more than
         three dims are not supported: their pieces cut across the row shards.
-        ``optimizer._update_observer`` (``UpdateSpectrumMonitor``) is called here, on owner
-        ranks with the full matrices they orthogonalized, before any second-moment
-        normalization; in blockwise mode no rank holds a full matrix and it is not called.
+        The optimizer's update hooks (``Muon.register_update_hook``, ``UpdateSpectrumMonitor``)
+        are run here, on owner ranks with the full matrices they orthogonalized, before any
+        second-moment normalization; in blockwise mode no rank holds a full matrix and they
+        are not run.
     """
 
     observes_updates = True
-    """``Muon`` leaves the update observer to this class: only owners see whole matrices."""
+    check_name = "step_check"
 
     def __init__(self, optimizer, mode: str = "owner", stats: CommStats | None = None) -> None:
         if mode not in FSDP_MODES:
             raise ValueError(f"mode must be one of {FSDP_MODES}, got {mode!r}")
-        self.optimizer = optimizer
         self.mode = mode
-        self.stats = stats if stats is not None else CommStats()
         groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
-        self.params: list[Tensor] = [p for g in groups for p in g["params"]]
-        if not self.params:
+        params: list[Tensor] = [p for g in groups for p in g["params"]]
+        if not params:
             raise ValueError("MuonFSDPSharding: the optimizer has no Muon parameters")
         for index, g in enumerate(optimizer.param_groups):
             if g["algorithm"] != "muon":
@@ -107,41 +104,25 @@ class MuonFSDPSharding:
                     "FSDP2 (its blocks cut across the row shards); orthogonalize the fused matrix whole"
                 )
             for p in g["params"]:
-                self._check_param(p, where, g["batched"])
-        self.mesh = self.params[0].device_mesh
-        self.group = self.mesh.get_group()
-        self.rank = self.mesh.get_local_rank()
-        self.world_size = self.mesh.size()
-        self.plan = plan_ownership(
-            [tuple(p.shape) for p in self.params],
-            self.world_size,
+                _check_param(p, where, g["batched"], params[0])
+        self.mesh = params[0].device_mesh
+        plan = plan_ownership(
+            [tuple(p.shape) for p in params],
+            self.mesh.size(),
             batched=[g["batched"] for g in groups for _ in g["params"]],
         )
-        self._index = {id(p): i for i, p in enumerate(self.params)}
         self._warned_observer = False
-        self.nonfinite_culprit: str | None = None  # the first bad parameter, as the step's error names it
-        optimizer._sharding = self
+        super().__init__(
+            optimizer,
+            params,
+            plan,
+            group=self.mesh.get_group(),
+            rank=self.mesh.get_local_rank(),
+            world_size=self.mesh.size(),
+            stats=stats,
+        )
 
-    def _check_param(self, p: Tensor, where: str, batched: bool) -> None:
-        shape = tuple(p.shape)
-        if not isinstance(p, DTensor):
-            raise ValueError(
-                f"MuonFSDPSharding: {where} holds a plain tensor of shape {shape}; every Muon parameter must be "
-                "sharded by fully_shard (a DTensor), so apply fully_shard to the module that holds it"
-            )
-        if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
-            raise ValueError(
-                f"MuonFSDPSharding: {where} holds a DTensor of shape {shape} placed {tuple(p.placements)} on a "
-                f"{p.device_mesh.ndim}-D mesh; only Shard(0) on a 1-D mesh (fully_shard's default) is supported"
-            )
-        if self.params and p.device_mesh != self.params[0].device_mesh:
-            raise ValueError(f"MuonFSDPSharding: {where}: all Muon parameters must live on one device mesh")
-        if batched and p.ndim > 3:
-            raise ValueError(
-                f"MuonFSDPSharding: {where}: batched tensors with more than 3 dims (shape {shape}) are not supported"
-            )
-
-    # ------------------------------------------------------------------ hooks read by Muon
+    # ------------------------------------------------------------------ the protocol
 
     def owns(self, p: Tensor) -> bool:
         """Every rank steps its shard of every parameter."""
@@ -151,51 +132,22 @@ class MuonFSDPSharding:
         """This rank's part of ``t``: the local tensor of a DTensor, ``t`` itself otherwise."""
         return t.to_local() if isinstance(t, DTensor) else t
 
-    @property
-    def remote_nonfinite(self) -> bool:
-        """True when another rank holds a non-finite gradient and this one does not.
+    def agreement_extra(self) -> list[int]:
+        """Which Muon matrices have gradients, hashed: FSDP2 gives a gradient on all ranks or on none.
 
-        ``Muon`` reads this once per step on every rank, before checking its own shards, so
-        reading it runs one small all-reduce: of this rank's finiteness and of which Muon
-        matrices have gradients. Then every rank skips or raises alike, and no rank waits in
-        an all-to-all that another left. Ranks that disagree on the matrices with gradients
-        (FSDP2 gives a gradient on all ranks or on none) raise here instead of hanging.
+        Sent as ``[h, -h]`` under MAX, so the ranks agree exactly when the maxima are opposite.
         """
-        self.nonfinite_culprit = None
-        grads = [self.local_shard(p.grad) for g in self.optimizer.param_groups for p in g["params"]]
-        grads = [g for g in grads if g is not None and g.numel()]
-        local_ok = all_finite(grads)
-        if local_ok:
-            self.optimizer.record_precheck(True)  # the step need not read the gradients again
-        if self.world_size == 1:
-            return False
-        with_grad = tuple(i for i, p in enumerate(self.params) if p.grad is not None)
-        signature = hash(with_grad) % (1 << 62)  # ints hash alike in every process; -signature fits int64
-        # On the parameters' device: NCCL reduces no CPU tensors.
-        flags = torch.tensor(
-            [0 if local_ok else 1, signature, -signature], dtype=torch.int64, device=self.params[0].device
-        )
-        all_reduce_(flags, dist.ReduceOp.MAX, self.group, self.stats, name="step_check")
-        if flags[1].item() != -flags[2].item():
+        self._with_grad = tuple(i for i, p in enumerate(self.params) if p.grad is not None)
+        signature = hash(self._with_grad) % (1 << 62)  # ints hash alike in every process; -signature fits int64
+        return [signature, -signature]
+
+    def check_agreement(self, extra: list[int]) -> None:
+        """Ranks that disagree on the matrices with gradients raise here instead of hanging later."""
+        if extra[0] != -extra[1]:
             raise RuntimeError(
                 "MuonFSDPSharding: ranks disagree on which Muon matrices have gradients "
-                f"(this rank: {len(with_grad)} of {len(self.params)}); every rank must run the same modules"
+                f"(this rank: {len(self._with_grad)} of {len(self.params)}); every rank must run the same modules"
             )
-        if not flags[0].item():
-            return False
-        # Some rank is bad: one more all-reduce (only now) finds the first bad parameter in
-        # optimizer order, so that every rank's error names it.
-        groups = self.optimizer.param_groups
-        flat = [(i, j) for i, g in enumerate(groups) for j in range(len(g["params"]))]
-        culprit = None if local_ok else self.optimizer.nonfinite_culprit_index()
-        where = torch.tensor([flat.index(culprit) if culprit is not None else len(flat)], device=flags.device)
-        all_reduce_(where, dist.ReduceOp.MIN, self.group, self.stats, name="nonfinite_where")
-        index = int(where.item())
-        self.nonfinite_culprit = self.optimizer.param_label(*flat[index]) if index < len(flat) else None
-        return local_ok
-
-    def gather_parameters(self) -> None:
-        """Nothing to gather: every rank updated its own shards."""
 
     # ------------------------------------------------------------------ orthogonalization
 
@@ -205,7 +157,7 @@ class MuonFSDPSharding:
 
         ``ns_kwargs`` are ``functional.muon_orthogonalize``'s keywords (``ns_steps``,
         ``ns_coefficients``, ``ns_dtype``, ``split_sizes``, ``batched``, ...). Every rank
-        must call it with the same parameters (``remote_nonfinite`` checked that).
+        must call it with the same parameters (``step_finite`` checked that).
         """
         batched = ns_kwargs["batched"]
         if self.mode == "blockwise":
@@ -215,10 +167,10 @@ class MuonFSDPSharding:
             ortho = [[m] for m in mats]
             for i, o in zip(filled, muon_orthogonalize([mats[i] for i in filled], **ns_kwargs)):
                 ortho[i] = o
-            if self.optimizer._update_observer is not None and not self._warned_observer:
+            if self.optimizer.has_update_hooks and not self._warned_observer:
                 self._warned_observer = True
                 warnings.warn(
-                    "MuonFSDPSharding: blockwise mode never holds a whole matrix; the update observer is not called",
+                    "MuonFSDPSharding: blockwise mode never holds a whole matrix; the update hooks are not run",
                     RuntimeWarning,
                     stacklevel=2,
                 )
@@ -305,14 +257,13 @@ class MuonFSDPSharding:
         full: list[Tensor],
         ortho: list[list[Tensor]],
     ) -> None:
-        observer = self.optimizer._update_observer
-        if observer is None or not mine:
+        if not self.optimizer.has_update_hooks or not mine:
             return
         # Looked up now: loading a state dict replaces the group dicts (not the parameters).
         first = params[mine[0]]
         group = next(g for g in self.optimizer.param_groups if any(q is first for q in g["params"]))
         dtypes = [updates[i].dtype for i in mine]
-        observer(
+        self.optimizer.run_update_hooks(
             group,
             [params[i] for i in mine],
             [f.to(d) for f, d in zip(full, dtypes)],
@@ -330,3 +281,23 @@ def _strides(shape: torch.Size) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
+
+
+def _check_param(p: Tensor, where: str, batched: bool, first: Tensor) -> None:
+    shape = tuple(p.shape)
+    if not isinstance(p, DTensor):
+        raise ValueError(
+            f"MuonFSDPSharding: {where} holds a plain tensor of shape {shape}; every Muon parameter must be "
+            "sharded by fully_shard (a DTensor), so apply fully_shard to the module that holds it"
+        )
+    if p.device_mesh.ndim != 1 or tuple(p.placements) != (Shard(0),):
+        raise ValueError(
+            f"MuonFSDPSharding: {where} holds a DTensor of shape {shape} placed {tuple(p.placements)} on a "
+            f"{p.device_mesh.ndim}-D mesh; only Shard(0) on a 1-D mesh (fully_shard's default) is supported"
+        )
+    if p.device_mesh != first.device_mesh:  # ``first`` was checked first
+        raise ValueError(f"MuonFSDPSharding: {where}: all Muon parameters must live on one device mesh")
+    if batched and p.ndim > 3:
+        raise ValueError(
+            f"MuonFSDPSharding: {where}: batched tensors with more than 3 dims (shape {shape}) are not supported"
+        )

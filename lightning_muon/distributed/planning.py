@@ -14,27 +14,26 @@ from dataclasses import dataclass
 
 import torch
 
+from lightning_muon.functional import piece_shapes
 from lightning_muon.newton_schulz import ns_flops
 
 __all__ = ["OwnershipPlan", "matrix_shapes", "plan_ownership"]
 
 
 def matrix_shapes(
-    shape: Sequence[int], split_sizes: Sequence[int] | None = None, batched: bool = False
+    shape: Sequence[int], split_sizes: Sequence[int] | None = None, batched: bool = False, transposed: bool = False
 ) -> list[tuple[int, int]]:
-    """The (rows, cols) of every matrix Muon orthogonalizes for a parameter of ``shape``."""
-    shape = tuple(shape)
-    if batched:
-        count = 1
-        for d in shape[:-2]:
-            count *= d
-        return [tuple(shape[-2:])] * count
-    cols = 1
-    for d in shape[1:]:
-        cols *= d
-    if split_sizes:
-        return [(rows, cols) for rows in split_sizes]
-    return [(shape[0], cols)]
+    """The (rows, cols) of every matrix Muon orthogonalizes for a parameter of ``shape``.
+
+    ``functional.piece_shapes``, with a batch of ``B`` matrices counted as ``B`` matrices:
+    a grouped fused QKV (split sizes summing to a proper divisor of dim 0) gives
+    ``(groups * size_i, cols)`` per piece, the matrices Newton-Schulz really sees.
+    """
+    out: list[tuple[int, int]] = []
+    for piece in piece_shapes(shape, split_sizes, batched, transposed):
+        count = piece[0] if len(piece) == 3 else 1
+        out += [(piece[-2], piece[-1])] * count
+    return out
 
 
 @dataclass(frozen=True)
@@ -67,6 +66,7 @@ def plan_ownership(
     ns_steps: int = 5,
     split_sizes: Sequence[Sequence[int] | None] | None = None,
     batched: Sequence[bool] | None = None,
+    transposed: Sequence[bool] | None = None,
 ) -> OwnershipPlan:
     """Assign each parameter (by shape) to an owner rank, balancing Newton-Schulz FLOPs.
 
@@ -76,17 +76,19 @@ def plan_ownership(
         ns_steps: Newton-Schulz steps (scales every cost alike; kept for reporting).
         split_sizes: per parameter, its QKV-style split along dim 0, or None.
         batched: per parameter, whether it is a batch of matrices.
+        transposed: per parameter, whether it is stored (fan_in, fan_out), split along dim 1.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     n = len(shapes)
     split_sizes = list(split_sizes) if split_sizes is not None else [None] * n
     batched = list(batched) if batched is not None else [False] * n
-    if len(split_sizes) != n or len(batched) != n:
-        raise ValueError(f"split_sizes and batched need one entry per shape ({n})")
+    transposed = list(transposed) if transposed is not None else [False] * n
+    if len(split_sizes) != n or len(batched) != n or len(transposed) != n:
+        raise ValueError(f"split_sizes, batched and transposed need one entry per shape ({n})")
     flops = tuple(
-        sum(ns_flops(r, c, ns_steps) for r, c in matrix_shapes(s, sp, b))
-        for s, sp, b in zip(shapes, split_sizes, batched)
+        sum(ns_flops(r, c, ns_steps) for r, c in matrix_shapes(s, sp, b, t))
+        for s, sp, b, t in zip(shapes, split_sizes, batched, transposed)
     )
     numels = tuple(int(torch.Size(s).numel()) for s in shapes)
     load = [0] * world_size

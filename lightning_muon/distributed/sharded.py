@@ -1,6 +1,6 @@
 """Newton-Schulz sharded across data-parallel ranks: each matrix orthogonalized once, by its owner.
 
-``MuonSharding`` attaches to a ``Muon`` optimizer. In ``reduce_scatter`` mode, DDP
+``MuonSharding`` (a ``Sharding``) attaches to a ``Muon`` optimizer. In ``reduce_scatter`` mode, DDP
 leaves the Muon matrices alone and ``reduce_gradients()`` (called after backward,
 before any unscaling or clipping) averages each matrix's gradient straight onto its
 owner with one uneven all-to-all; every other rank drops that gradient. The owner
@@ -19,47 +19,46 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
+from lightning_muon.distributed.comm import CommStats, all_to_all_v
 from lightning_muon.distributed.planning import plan_ownership
-from lightning_muon.functional import all_finite
+from lightning_muon.distributed.protocol import Sharding
+from lightning_muon.newton_schulz import DTYPES, dtype_name
 
 __all__ = ["MODES", "MuonSharding"]
 
 MODES = ("reduce_scatter", "all_gather")
 
 
-class MuonSharding:
-    """Owner-based Newton-Schulz for one ``Muon`` optimizer over a process group."""
+class MuonSharding(Sharding):
+    """Owner-based Newton-Schulz for one ``Muon`` optimizer over a process group (DDP: whole tensors everywhere).
+
+    Args:
+        optimizer: the ``Muon`` optimizer; it gets this sharding attached.
+        mode: ``"reduce_scatter"`` or ``"all_gather"`` (module docstring).
+        group: the process group (None: the default group).
+        stats: where bytes and calls are counted; a new ``CommStats`` by default.
+    """
 
     def __init__(self, optimizer, mode: str = "reduce_scatter", group=None, stats: CommStats | None = None) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
-        self.optimizer = optimizer
         self.mode = mode
-        self.group = group
-        self.stats = stats if stats is not None else CommStats()
-        self.rank = dist.get_rank(group)
-        self.world_size = dist.get_world_size(group)
+        world_size = dist.get_world_size(group)
         groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
-        self.params: list[Tensor] = [p for g in groups for p in g["params"]]
-        self.plan = plan_ownership(
-            # A transposed (fan_in, fan_out) weight splits along dim 1: plan on its transpose.
-            [p.shape[::-1] if g.get("transposed") else p.shape for g in groups for p in g["params"]],
-            self.world_size,
+        params = [p for g in groups for p in g["params"]]
+        plan = plan_ownership(
+            [p.shape for p in params],
+            world_size,
             split_sizes=[g["split_sizes"] for g in groups for _ in g["params"]],
             batched=[g["batched"] for g in groups for _ in g["params"]],
+            transposed=[g["transposed"] for g in groups for _ in g["params"]],
         )
-        self._owner = {id(p): r for p, r in zip(self.params, self.plan.owners)}
-        self.remote_nonfinite = False
-        self.nonfinite_culprit: str | None = None  # the first bad parameter, as the step's error names it
         # Flat send/receive buffers kept across steps: a fresh multi-megabyte tensor per step
         # costs more in page faults than copying into it (measured 7x on CPU).
         self._buffers: dict[str, Tensor] = {}
-        optimizer._sharding = self
-
-    def owns(self, p: Tensor) -> bool:
-        """True when this rank orthogonalizes ``p`` (and for any non-Muon parameter)."""
-        return self._owner.get(id(p), self.rank) == self.rank
+        super().__init__(
+            optimizer, params, plan, group=group, rank=dist.get_rank(group), world_size=world_size, stats=stats
+        )
 
     def _buffer(self, name: str, numel: int, like: Tensor) -> Tensor:
         buf = self._buffers.get(name)
@@ -76,14 +75,13 @@ class MuonSharding:
 
         A parameter with no gradient on some rank counts as zeros there; with no gradient on
         any rank it stays without one on its owner, so the step skips it as a single process
-        would. If any owned gradient is non-finite, every rank is made to see a non-finite
-        gradient, so that a GradScaler or ``Muon``'s own check skips or raises on all ranks
-        alike instead of leaving one rank waiting in a collective.
+        would. Then the ranks agree whether every gradient any of them reads is finite
+        (``agree_finite``), so that ``Muon``'s check skips or raises on all ranks alike
+        instead of leaving one rank waiting in a collective; under AMP, ``MuonDDPStrategy``
+        gives the GradScaler a ``ShardedGradScaler``, which agrees on overflows likewise.
         """
-        self.remote_nonfinite = False
-        self.nonfinite_culprit = None
         if self.mode != "reduce_scatter" or not self.params:
-            self._agree_on_finiteness(self._replicated_grads())
+            self.agree_finite()
             return
         by_owner = self._by_owner()
         dtype = self.params[0].dtype
@@ -118,51 +116,17 @@ class MuonSharding:
                     p.grad = None
         # The owned Muon gradients in one pass over the flat buffer (absent ones are zeros
         # there), with every other gradient this rank's step reads.
-        self._agree_on_finiteness([grads, *self._replicated_grads()])
+        self.agree_finite([grads, *self._replicated_grads()])
 
     def _replicated_grads(self) -> list[Tensor]:
-        """Gradients of this optimizer's other parameters (AdamW, Lion; every Muon one in all_gather mode)."""
-        muon = set() if self.mode == "all_gather" else {id(p) for p in self.params}
+        """Gradients of this optimizer's other parameters (AdamW, Lion: replicated on every rank)."""
+        muon = {id(p) for p in self.params}
         return [
             p.grad
             for g in self.optimizer.param_groups
             for p in g["params"]
             if p.grad is not None and p.grad.numel() and id(p) not in muon
         ]
-
-    def _agree_on_finiteness(self, grads: list[Tensor]) -> None:
-        """One bit over every gradient any rank's step reads, agreed by one all-reduce (MIN).
-
-        A rank that sees a NaN in any gradient, Muon or not (a per-rank hook, custom clipping),
-        makes every rank skip or raise, so none waits alone in ``gather_parameters``. Where a
-        rank is bad, one more all-reduce (only then) finds the first bad parameter in optimizer
-        order, so every rank's error can name it.
-        """
-        if self.optimizer.nonfinite == "ignore":
-            return  # no check asked for: no collective, no host-device sync
-        local_ok = all_finite(grads) if grads else True
-        device = self.params[0].device if self.params else torch.device("cpu")
-        ok = torch.tensor([1.0 if local_ok else 0.0], device=device)  # NCCL: no CPU tensors
-        if self.world_size > 1:
-            all_reduce_(ok, dist.ReduceOp.MIN, self.group, self.stats, name="nonfinite_flag")
-        if ok.item() == 1.0:
-            self.optimizer.record_precheck(True)  # the step need not read the gradients again
-            return
-        flat = [(i, j) for i, g in enumerate(self.optimizer.param_groups) for j in range(len(g["params"]))]
-        first = len(flat)
-        if not local_ok:
-            culprit = self.optimizer.nonfinite_culprit_index()
-            first = flat.index(culprit) if culprit is not None else first
-        where = torch.tensor([float(first)], device=device)
-        if self.world_size > 1:
-            all_reduce_(where, dist.ReduceOp.MIN, self.group, self.stats, name="nonfinite_where")
-        index = int(where.item())
-        self.nonfinite_culprit = self.optimizer.param_label(*flat[index]) if index < len(flat) else None
-        if local_ok:
-            self.remote_nonfinite = True
-            # GradScaler looks for infs in gradients: every rank must see one to skip alike.
-            p = self.params[0]
-            p.grad = torch.full_like(p, float("nan"))
 
     @torch.no_grad()
     def gather_parameters(self) -> None:
@@ -204,7 +168,7 @@ class MuonSharding:
         local = [self.optimizer.state.get(p, {}) for p in mine]
         # (key, shape, dtype name) per tensor entry; other values (plain numbers) go as they are.
         layout = [
-            {k: (tuple(v.shape), str(v.dtype)) if isinstance(v, Tensor) else ("value", v) for k, v in st.items()}
+            {k: (tuple(v.shape), dtype_name(v.dtype)) if isinstance(v, Tensor) else ("value", v) for k, v in st.items()}
             for st in local
         ]
         layouts: list = [None] * self.world_size
@@ -214,7 +178,7 @@ class MuonSharding:
             dist.all_gather_object(layouts, layout, group=self.group)
         dtypes = {d for lay in layouts for entry in lay for d in _tensor_dtypes(entry)}
         # float64 carries every float32/bf16/fp16 value and integer counters below 2**53 exactly.
-        wire = torch.float64 if dtypes - {"torch.float32", "torch.bfloat16", "torch.float16"} else torch.float32
+        wire = torch.float64 if dtypes - {"float32", "bfloat16", "float16"} else torch.float32
         device = self.params[0].device if self.params else torch.device("cpu")
         # One device for the blob: a state entry kept on the CPU (a step counter) joins the rest.
         tensors = [
@@ -250,7 +214,7 @@ class MuonSharding:
                         state[key] = meta
                         continue
                     n = _numel(shape)
-                    state[key] = part[offset : offset + n].view(shape).to(_DTYPES[meta]).to(p.device).clone()
+                    state[key] = part[offset : offset + n].view(shape).to(DTYPES[meta]).to(p.device).clone()
                     offset += n
                 out[id(p)] = state
         return [out[id(p)] for p in self.params]
@@ -260,9 +224,6 @@ class MuonSharding:
         for p in self.params:
             if not self.owns(p):
                 self.optimizer.state.pop(p, None)
-
-
-_DTYPES = {str(d): d for d in (torch.float64, torch.float32, torch.bfloat16, torch.float16, torch.int64, torch.int32)}
 
 
 def _tensor_shapes(entry: dict) -> list[tuple[int, ...]]:

@@ -47,6 +47,7 @@ from torch.distributed.tensor.placement_types import _StridedShard
 from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
 from lightning_muon.distributed.fsdp import MuonFSDPSharding, _matrix_shape, _split, shard_rows
 from lightning_muon.distributed.planning import plan_ownership
+from lightning_muon.distributed.protocol import Sharding
 from lightning_muon.distributed.tp_math import TP_MODES, long_side_split, newton_schulz_on_shards
 from lightning_muon.functional import muon_orthogonalize
 from lightning_muon.newton_schulz import resolve_coefficients, resolve_ns_dtype
@@ -67,7 +68,8 @@ def tp_split_dim(p: Tensor) -> int | None:
 class MuonTPSharding(MuonFSDPSharding):
     """Muon's Newton-Schulz for parameters on a (data, tensor) device mesh, with a ``tp_mode``.
 
-    Attaches itself as ``optimizer._sharding``. Every Muon parameter must be a DTensor on
+    A ``Sharding`` (by way of ``MuonFSDPSharding``) that attaches itself to the optimizer.
+    Every Muon parameter must be a DTensor on
     the 2-D mesh (dims named ``"data_parallel"`` and ``"tensor_parallel"``) placed as
     ``fully_shard`` after ``parallelize_module`` places it, or on the 1-D data-parallel
     mesh alone (a layer left out of the tensor-parallel plan). Owners are planned over
@@ -81,7 +83,7 @@ class MuonTPSharding(MuonFSDPSharding):
 
     Notes:
         Matrices split on the tensor dim must be 2-D, without ``split_sizes`` or
-        ``batched``. The update observer (``UpdateSpectrumMonitor``) sees each matrix
+        ``batched``. The update hooks (``UpdateSpectrumMonitor``) see each matrix
         once, on tensor-parallel rank 0 of its owners: in ``distributed`` mode the whole
         update and result are gathered there for it, only on the steps it observes; in
         ``blockwise`` mode matrices split on the tensor dim are not observed.
@@ -92,11 +94,9 @@ class MuonTPSharding(MuonFSDPSharding):
     def __init__(self, optimizer, tp_mode: str = "duplicated") -> None:
         if tp_mode not in TP_MODES:
             raise ValueError(f"tp_mode must be one of {TP_MODES}, got {tp_mode!r}")
-        self.optimizer = optimizer
         self.mode = "owner"
         self.tp_mode = tp_mode
         self.stats_by_dim = {DP_DIM: CommStats(), TP_DIM: CommStats(), "world": CommStats()}
-        self.stats = self.stats_by_dim["world"]  # the step's finiteness check (MuonFSDPSharding)
         groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
         self.params: list[Tensor] = [p for g in groups for p in g["params"]]
         if not self.params:
@@ -120,19 +120,25 @@ class MuonTPSharding(MuonFSDPSharding):
             self.tp_group, self.tp_rank, self.tp_size = tp_mesh.get_group(), tp_mesh.get_local_rank(), tp_mesh.size()
         else:
             self.tp_group, self.tp_rank, self.tp_size = None, 0, 1
-        # The step's finiteness check spans every rank: tensor-parallel peers wait on each other too.
-        self.group = None
-        self.rank, self.world_size = dist.get_rank(), dist.get_world_size()
         self.mesh = dp_mesh
-        self.plan = plan_ownership(
+        plan = plan_ownership(
             [tuple(p.shape) for p in self.params],
             self.dp_size,
             batched=[g["batched"] for g in groups for _ in g["params"]],
         )
-        self._index = {id(p): i for i, p in enumerate(self.params)}
         self._warned_observer = False
-        self.nonfinite_culprit: str | None = None
-        optimizer._sharding = self
+        # The step's finiteness check spans every rank (group None: the world), counted under
+        # "world": tensor-parallel peers wait on each other too.
+        Sharding.__init__(
+            self,
+            optimizer,
+            self.params,
+            plan,
+            group=None,
+            rank=dist.get_rank(),
+            world_size=dist.get_world_size(),
+            stats=self.stats_by_dim["world"],
+        )
 
     def _check_tp_param(self, p: Tensor, group: dict, where: str) -> None:
         shape = tuple(p.shape)
@@ -353,7 +359,7 @@ class MuonTPSharding(MuonFSDPSharding):
             else:
                 y = result_wide[k]
                 out[k] = y if full_shape[k][0] <= full_shape[k][1] else y.mT
-        if self.optimizer._update_observer is not None:  # gather for the spectra, only when asked
+        if self.optimizer.has_update_hooks:  # gather for the spectra, only when asked
             fulls = self._gather_blocks(ks, split, whole, dst=0)
             results = self._gather_blocks(ks, split, out, dst=0)
             for k, full, res in zip(ks, fulls, results):
@@ -422,8 +428,7 @@ class MuonTPSharding(MuonFSDPSharding):
         return out
 
     def _observe_owned(self, params, updates, mine, observed_full, has_split) -> None:
-        observer = self.optimizer._update_observer
-        if observer is None:
+        if not self.optimizer.has_update_hooks:
             return
         if self.tp_mode == "blockwise" and has_split and not self._warned_observer:
             self._warned_observer = True
@@ -438,7 +443,7 @@ class MuonTPSharding(MuonFSDPSharding):
         first = params[mine[ks[0]]]
         group = next(g for g in self.optimizer.param_groups if any(q is first for q in g["params"]))
         dtypes = [updates[mine[k]].dtype for k in ks]
-        observer(
+        self.optimizer.run_update_hooks(
             group,
             [params[mine[k]] for k in ks],
             [observed_full[k][0].reshape(params[mine[k]].shape).to(dt) for k, dt in zip(ks, dtypes)],

@@ -10,6 +10,7 @@ import torch.distributed as dist
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
+from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
@@ -24,7 +25,7 @@ __all__ = ["MuonDDPStrategy"]
 def _sharding_of(optimizer: Optimizer) -> MuonSharding | None:
     if isinstance(optimizer, LightningOptimizer):
         optimizer = optimizer._optimizer
-    return getattr(optimizer, "_sharding", None)
+    return optimizer.sharding if isinstance(optimizer, Muon) else None
 
 
 class MuonDDPStrategy(DDPStrategy):
@@ -71,7 +72,23 @@ class MuonDDPStrategy(DDPStrategy):
                 for p in s.params:
                     dist.broadcast(p.data, src=0)
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
+            self._share_overflows()
         super().configure_ddp()
+
+    def _share_overflows(self) -> None:
+        """Give a GradScaler torch's ``ShardedGradScaler``: every rank then skips an overflowing step alike.
+
+        Owners alone hold the reduced Muon gradients, so an overflow in one shows on one rank;
+        ``ShardedGradScaler`` all-reduces what each rank's unscaling found, so every rank skips
+        the step and lowers the scale together. Its settings and state come from the scaler given.
+        """
+        scaler = getattr(self.precision_plugin, "scaler", None)
+        if scaler is None or isinstance(scaler, ShardedGradScaler) or not scaler.is_enabled():
+            return
+        group = self.shardings[0].group
+        sharded = ShardedGradScaler(self.precision_plugin.device, process_group=group or dist.group.WORLD)
+        sharded.load_state_dict(scaler.state_dict())
+        self.precision_plugin.scaler = sharded
 
     def setup_optimizers(self, trainer: Any) -> None:
         if not self._optimizers_ready:  # configure_ddp built them already
@@ -83,9 +100,8 @@ class MuonDDPStrategy(DDPStrategy):
             return super().optimizer_step(optimizer, closure, model, **kwargs)
 
         def reduced_closure() -> Any:
-            # After backward, before AMP unscaling and clipping: every rank then sees the
-            # same overflow decision (GradScaler decides per rank: reducing inside step() could
-            # make ranks disagree and deadlock).
+            # After backward, before AMP unscaling and clipping: the ranks agree on finiteness
+            # before anything reads the gradients.
             output = closure()
             sharding.reduce_gradients()
             return output

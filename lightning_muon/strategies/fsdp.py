@@ -10,11 +10,9 @@ from typing import Any
 import torch
 import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.fabric.utilities.init import _materialize_distributed_module
-from lightning.fabric.utilities.optimizer import _optimizers_to_device
 from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
-from lightning.pytorch.trainer.states import TrainerFn
+from lightning.pytorch.utilities.model_helpers import is_overridden
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 from torch import nn
 from torch.distributed.tensor import DTensor, Shard
@@ -130,6 +128,10 @@ def _on_2d_mesh(p: Any) -> bool:
     return isinstance(p, DTensor) and p.device_mesh.ndim > 1
 
 
+def _no_configure_model() -> None:
+    """Stands in for a missing ``configure_model`` during ``MuonFSDPStrategy.setup`` (the default sharding applies)."""
+
+
 def _inner(optimizer: Any) -> Any:
     return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
@@ -217,7 +219,9 @@ class MuonFSDPStrategy(ModelParallelStrategy):
 
     @property
     def shardings(self) -> list[MuonFSDPSharding | MuonTPSharding]:
-        return [s for s in (getattr(_inner(o), "_sharding", None) for o in self.optimizers) if s is not None]
+        """The sharding of every ``Muon`` optimizer that has one."""
+        optimizers = [_inner(o) for o in self.optimizers]
+        return [o.sharding for o in optimizers if isinstance(o, Muon) and o.sharding is not None]
 
     @override
     def _configure_launcher(self) -> None:
@@ -242,26 +246,27 @@ class MuonFSDPStrategy(ModelParallelStrategy):
 
     @override
     def setup(self, trainer: Any) -> None:
-        # ModelParallelStrategy.setup, with the default sharding where configure_model did none
-        # (it requires configure_model instead).
-        from torch.distributed.fsdp import FullyShardedDataParallel
+        # ModelParallelStrategy.setup as it is. It refuses a module without a configure_model
+        # hook; here the default sharding (model_to_device) stands in for one, so a module
+        # without the hook is let through, for this call only.
+        module = self.lightning_module
+        if module is None or is_overridden("configure_model", module):
+            super().setup(trainer)
+            return
+        module.configure_model = _no_configure_model  # type: ignore[method-assign]
+        try:
+            super().setup(trainer)
+        finally:
+            del module.configure_model
 
-        assert self.model is not None and self.accelerator is not None
-        if any(isinstance(m, FullyShardedDataParallel) for m in self.model.modules()):
-            raise TypeError(f"{type(self).__name__} takes FSDP2 (fully_shard), not FullyShardedDataParallel modules")
-        self.accelerator.setup(trainer)
+    @override
+    def model_to_device(self) -> None:
+        # ModelParallelStrategy.setup's first hook after configure_model: where that applied no
+        # fully_shard, the default sharding does, before the optimizers see the parameters.
+        assert self.model is not None
         if not _is_sharded(self.model):
             self.default_units = default_fully_shard(self.model, self.device_mesh["data_parallel"])
-        _materialize_distributed_module(self.model, self.root_device)
-        self.model = self.precision_plugin.convert_module(self.model)
-        self.model_to_device()
-        self.barrier()
-        fitting = trainer.state.fn == TrainerFn.FITTING
-        if fitting:
-            self.setup_optimizers(trainer)  # after sharding: Muon sees the DTensor parameters
-        self.setup_precision_plugin()
-        if fitting:
-            _optimizers_to_device(self.optimizers, self.root_device)
+        super().model_to_device()
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:
@@ -326,7 +331,7 @@ class MuonFSDPStrategy(ModelParallelStrategy):
                 copies = world // math.prod(sharded)
             if local.numel():
                 total += local.detach().float().square().sum().to(device) / copies
-        sharding = getattr(_inner(optimizer), "_sharding", None)
+        sharding = getattr(_inner(optimizer), "sharding", None)
         stats = sharding.stats_by_dim["world"] if isinstance(sharding, MuonTPSharding) else None
         all_reduce_(total, stats=stats, name="clip_norm")
         coef = torch.clamp(clip_val / (total.sqrt() + 1e-6), max=1.0)
