@@ -85,6 +85,7 @@ class MuonFSDPSharding(Sharding):
 
     observes_updates = True
     check_name = "step_check"
+    check_dtype = torch.int64  # the signature of agreement_extra takes 62 bits
 
     def __init__(self, optimizer, mode: str = "owner", stats: CommStats | None = None) -> None:
         if mode not in FSDP_MODES:

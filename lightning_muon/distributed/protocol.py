@@ -15,7 +15,7 @@ order within one ``step``::
 ``MuonFSDPSharding`` (FSDP2: ``Shard(0)`` DTensors, rows sent to owners and back) are
 its two subclasses; a new layout (owner groups, tensor parallelism) is a third.
 
-Finiteness is agreed by one all-reduce (MAX) of an int64 vector ``[bad, *extra]``:
+Finiteness is agreed by one all-reduce (MAX) of an integer vector ``[bad, *extra]``:
 ``bad`` is 1 on a rank whose gradients hold a NaN or an inf, ``extra`` what a subclass
 must also agree on (FSDP2: which matrices have gradients). Only when some rank is bad,
 a second all-reduce (MIN) finds the first bad parameter in optimizer order, so every
@@ -73,6 +73,8 @@ class Sharding:
     """True when the sharding runs ``Muon``'s update hooks itself (only owners hold whole matrices)."""
     check_name: ClassVar[str] = "nonfinite_flag"
     """The ``CommStats`` name of the finiteness all-reduce."""
+    check_dtype: ClassVar[torch.dtype] = torch.int32
+    """The dtype of its vector: a flag fits in 4 bytes; a subclass whose ``agreement_extra`` needs more widens it."""
 
     def __init__(
         self,
@@ -173,7 +175,7 @@ class Sharding:
         bad = 0 if local_ok else 1
         if self.world_size > 1:
             device = self.params[0].device if self.params else torch.device("cpu")  # NCCL: no CPU tensors
-            flags = torch.tensor([bad, *extra], dtype=torch.int64, device=device)
+            flags = torch.tensor([bad, *extra], dtype=self.check_dtype, device=device)
             all_reduce_(flags, dist.ReduceOp.MAX, self.group, self.stats, name=self.check_name)
             values = flags.tolist()
             bad, extra = values[0], values[1:]
