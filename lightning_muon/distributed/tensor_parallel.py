@@ -37,6 +37,7 @@ from __future__ import annotations
 
 import math
 import warnings
+from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -57,6 +58,13 @@ __all__ = ["DP_DIM", "TP_DIM", "MuonTPSharding", "tp_split_dim"]
 DP_DIM, TP_DIM = "data_parallel", "tensor_parallel"  # ModelParallelStrategy's mesh dim names
 
 
+class _Layout(NamedTuple):
+    split: int | None
+    """The dim the tensor dim splits the matrix along; None when every rank holds it whole."""
+    shape: tuple[int, ...]
+    """The whole matrix's shape."""
+
+
 def tp_split_dim(p: Tensor) -> int | None:
     """The dim a 2-D-mesh parameter is split along on the tensor dim (0 or 1), or None when replicated there."""
     if not isinstance(p, DTensor) or p.device_mesh.ndim == 1:
@@ -68,8 +76,8 @@ def tp_split_dim(p: Tensor) -> int | None:
 class MuonTPSharding(MuonFSDPSharding):
     """Muon's Newton-Schulz for parameters on a (data, tensor) device mesh, with a ``tp_mode``.
 
-    A ``Sharding`` (by way of ``MuonFSDPSharding``) that attaches itself to the optimizer.
-    Every Muon parameter must be a DTensor on
+    A ``Sharding`` (through ``MuonFSDPSharding``, whose finiteness agreement, ``owns`` and
+    ``local_shard`` it keeps, over every rank). Every Muon parameter must be a DTensor on
     the 2-D mesh (dims named ``"data_parallel"`` and ``"tensor_parallel"``) placed as
     ``fully_shard`` after ``parallelize_module`` places it, or on the 1-D data-parallel
     mesh alone (a layer left out of the tensor-parallel plan). Owners are planned over
@@ -98,41 +106,40 @@ class MuonTPSharding(MuonFSDPSharding):
         self.tp_mode = tp_mode
         self.stats_by_dim = {DP_DIM: CommStats(), TP_DIM: CommStats(), "world": CommStats()}
         groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
-        self.params: list[Tensor] = [p for g in groups for p in g["params"]]
-        if not self.params:
+        params: list[Tensor] = [p for g in groups for p in g["params"]]
+        if not params:
             raise ValueError("MuonTPSharding: the optimizer has no Muon parameters")
-        self.mesh_2d = None
         for index, g in enumerate(optimizer.param_groups):
             if g["algorithm"] != "muon":
                 continue
             where = f"param group {index}" + (f" ({g['name']!r})" if "name" in g else "")
             for p in g["params"]:
                 self._check_tp_param(p, g, where)
-        meshes = [p.device_mesh for p in self.params]
+        meshes = [p.device_mesh for p in params]
         self.mesh_2d = next((m for m in meshes if m.ndim == 2), None)
         dp_mesh = self.mesh_2d[DP_DIM] if self.mesh_2d is not None else meshes[0]
         for m in meshes:
             if m.ndim == 1 and m != dp_mesh:
                 raise ValueError("MuonTPSharding: all 1-D Muon parameters must live on the data-parallel mesh")
+        self.mesh = dp_mesh
         self.dp_group, self.dp_rank, self.dp_size = dp_mesh.get_group(), dp_mesh.get_local_rank(), dp_mesh.size()
         if self.mesh_2d is not None:
             tp_mesh = self.mesh_2d[TP_DIM]
             self.tp_group, self.tp_rank, self.tp_size = tp_mesh.get_group(), tp_mesh.get_local_rank(), tp_mesh.size()
         else:
             self.tp_group, self.tp_rank, self.tp_size = None, 0, 1
-        self.mesh = dp_mesh
         plan = plan_ownership(
-            [tuple(p.shape) for p in self.params],
+            [tuple(p.shape) for p in params],
             self.dp_size,
             batched=[g["batched"] for g in groups for _ in g["params"]],
         )
         self._warned_observer = False
-        # The step's finiteness check spans every rank (group None: the world), counted under
-        # "world": tensor-parallel peers wait on each other too.
+        # The owners are data-parallel ranks; the finiteness agreement spans every rank
+        # (tensor-parallel peers wait on each other too), in the "world" counts.
         Sharding.__init__(
             self,
             optimizer,
-            self.params,
+            params,
             plan,
             group=None,
             rank=dist.get_rank(),
@@ -261,8 +268,9 @@ class MuonTPSharding(MuonFSDPSharding):
     ) -> list[Tensor]:
         """Step 2 on the owner: each owned matrix's block of the result, shaped like its block."""
         batched = ns_kwargs["batched"]
-        split = [tp_split_dim(params[i]) if self.tp_size > 1 else None for i in mine]
-        self._gshape = [tuple(params[i].shape) for i in mine]  # whole matrices, as seen from the blocks
+        # Per owned matrix: the dim the tensor dim splits (None: whole here) and the whole shape.
+        lay = [_Layout(tp_split_dim(params[i]) if self.tp_size > 1 else None, tuple(params[i].shape)) for i in mine]
+        split = [entry.split for entry in lay]
         out: list[Tensor | None] = [None] * len(mine)
         observed_full: dict[int, tuple[Tensor, Tensor]] = {}  # k -> (update, result), whole matrices
         replicated = [k for k, s in enumerate(split) if s is None]
@@ -276,9 +284,9 @@ class MuonTPSharding(MuonFSDPSharding):
         split_ks = [k for k, s in enumerate(split) if s is not None]
         if split_ks:
             if self.tp_mode == "duplicated":
-                self._duplicated(split_ks, split, whole, ns_kwargs, out, observed_full)
+                self._duplicated(split_ks, lay, whole, ns_kwargs, out, observed_full)
             elif self.tp_mode == "distributed":
-                self._distributed(split_ks, split, whole, ns_kwargs, out, observed_full)
+                self._distributed(split_ks, lay, whole, ns_kwargs, out, observed_full)
             else:
                 ortho = muon_orthogonalize([whole[k] for k in split_ks], **ns_kwargs)
                 for k, o in zip(split_ks, ortho):
@@ -286,7 +294,7 @@ class MuonTPSharding(MuonFSDPSharding):
         self._observe_owned(params, updates, mine, observed_full, bool(split_ks))
         return out  # type: ignore[return-value]
 
-    def _gather_blocks(self, ks: list[int], split: list, blocks: list[Tensor], dst: int | None) -> list[Tensor]:
+    def _gather_blocks(self, ks: list[int], lay: list[_Layout], blocks: list, dst: int | None) -> list[Tensor]:
         """Whole matrices from their tensor-parallel blocks, on every rank (``dst`` None) or on ``dst`` only.
 
         One ``all_to_all_v`` over the tensor-parallel group; returns ``[]`` where nothing arrives.
@@ -296,7 +304,7 @@ class MuonTPSharding(MuonFSDPSharding):
         targets = [r for r in range(T) if r != t and (dst is None or r == dst)]
         send_counts = [flat.numel() if r in targets else 0 for r in range(T)]
         receives = dst is None or dst == t
-        block_shapes = [[_block_shape(self._gshape[k], split[k], T, r) for k in ks] for r in range(T)]
+        block_shapes = [[_block_shape(lay[k].shape, lay[k].split, T, r) for k in ks] for r in range(T)]
         block_numels = [[math.prod(s) for s in shapes] for shapes in block_shapes]
         recv_counts = [sum(block_numels[r]) if receives and r != t else 0 for r in range(T)]
         send = torch.cat([flat] * len(targets)) if targets else flat[:0]
@@ -312,20 +320,21 @@ class MuonTPSharding(MuonFSDPSharding):
                 offset = sum(block_numels[r][:j])
                 shape = block_shapes[r][j]
                 pieces.append(per_rank[r][offset : offset + block_numels[r][j]].view(shape))
-            fulls.append(torch.cat(pieces, dim=split[k]))
+            fulls.append(torch.cat(pieces, dim=lay[k].split))
         return fulls
 
-    def _duplicated(self, ks, split, whole, ns_kwargs, out, observed_full) -> None:
-        fulls = self._gather_blocks(ks, split, whole, dst=None)
+    def _duplicated(self, ks, lay, whole, ns_kwargs, out, observed_full) -> None:
+        fulls = self._gather_blocks(ks, lay, whole, dst=None)
         ortho = muon_orthogonalize(fulls, **ns_kwargs)
         for k, full, o in zip(ks, fulls, ortho):
-            out[k] = _own_block(o[0], split[k], self.tp_size, self.tp_rank)
+            out[k] = _own_block(o[0], lay[k].split, self.tp_size, self.tp_rank)
             observed_full[k] = (full, o[0])
 
-    def _distributed(self, ks, split, whole, ns_kwargs, out, observed_full) -> None:
+    def _distributed(self, ks, lay, whole, ns_kwargs, out, observed_full) -> None:
         schedule, norm = resolve_coefficients(ns_kwargs["ns_coefficients"], ns_kwargs["ns_steps"])
         work = resolve_ns_dtype(ns_kwargs["ns_dtype"], whole[ks[0]].device, whole[ks[0]].dtype)
-        full_shape = {k: self._gshape[k] for k in ks}
+        split = {k: lay[k].split for k in ks}
+        full_shape = {k: lay[k].shape for k in ks}
         # The wide form's blocks along its long side: (m, n_t) each.
         wide: dict[int, Tensor] = {}
         short = [k for k in ks if not long_side_split(*full_shape[k], split[k])]
@@ -360,8 +369,8 @@ class MuonTPSharding(MuonFSDPSharding):
                 y = result_wide[k]
                 out[k] = y if full_shape[k][0] <= full_shape[k][1] else y.mT
         if self.optimizer.has_update_hooks:  # gather for the spectra, only when asked
-            fulls = self._gather_blocks(ks, split, whole, dst=0)
-            results = self._gather_blocks(ks, split, out, dst=0)
+            fulls = self._gather_blocks(ks, lay, whole, dst=0)
+            results = self._gather_blocks(ks, lay, out, dst=0)
             for k, full, res in zip(ks, fulls, results):
                 observed_full[k] = (full, res)
 
@@ -433,7 +442,7 @@ class MuonTPSharding(MuonFSDPSharding):
         if self.tp_mode == "blockwise" and has_split and not self._warned_observer:
             self._warned_observer = True
             warnings.warn(
-                "MuonTPSharding: blockwise mode never holds a whole tensor-parallel matrix; those are not observed",
+                "MuonTPSharding: blockwise mode never holds a whole tensor-parallel matrix; update hooks skip those",
                 RuntimeWarning,
                 stacklevel=4,
             )
