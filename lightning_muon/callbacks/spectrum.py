@@ -257,23 +257,10 @@ class UpdateSpectrumMonitor(Callback):
         self.last_metrics = metrics
         for logger in trainer.loggers:
             logger.log_metrics(metrics, step=step)
-            if not isinstance(logger, TensorBoardLogger) or not (self.histograms or self.heatmap):
-                continue
-            writer = logger.experiment
-            if self.histograms:
-                for r in records:
-                    for kind, sv in r.spectra.items():
-                        prefix = "" if kind == "update" else f"{kind}_"
-                        writer.add_histogram(f"spectra/{r.name}/{prefix}singular_values", sv, step)
-            with_sv = [r for r in records if "update" in r.spectra]
-            if self.heatmap and with_sv:
-                rows = [r.name for r in with_sv]
-                if rows != self._heatmap_rows:
-                    self._heatmap_rows = rows
-                    listing = "\n".join(f"{i}. `{name}`" for i, name in enumerate(rows))
-                    writer.add_text("spectra/heatmap_rows", listing, step)
-                image = render_heatmap([r.spectra["update"] for r in with_sv])
-                writer.add_image("spectra/heatmap", image, step, dataformats="HWC")
+            if isinstance(logger, TensorBoardLogger) and (self.histograms or self.heatmap):
+                self._heatmap_rows = _write_pictures(
+                    logger.experiment, records, step, self.histograms, self.heatmap, self._heatmap_rows
+                )
 
     def _detach(self) -> None:
         for handle in self._handles:
@@ -299,3 +286,23 @@ class UpdateSpectrumMonitor(Callback):
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         self.last_logged_step = state_dict.get("last_logged_step")
         self.logged_steps = state_dict.get("logged_steps", 0)
+
+
+def _write_pictures(
+    writer: Any, records: list[MatrixSpectrum], step: int, histograms: bool, heatmap: bool, shown_rows: list[str]
+) -> list[str]:
+    """TensorBoard histograms of singular values and the heatmap; returns the heatmap rows (listed on change)."""
+    if histograms:
+        for r in records:
+            for kind, sv in r.spectra.items():
+                prefix = "" if kind == "update" else f"{kind}_"
+                writer.add_histogram(f"spectra/{r.name}/{prefix}singular_values", sv, step)
+    with_sv = [r for r in records if "update" in r.spectra]
+    if not heatmap or not with_sv:
+        return shown_rows
+    rows = [r.name for r in with_sv]
+    if rows != shown_rows:
+        listing = "\n".join(f"{i}. `{name}`" for i, name in enumerate(rows))
+        writer.add_text("spectra/heatmap_rows", listing, step)
+    writer.add_image("spectra/heatmap", render_heatmap([r.spectra["update"] for r in with_sv]), step, dataformats="HWC")
+    return rows
