@@ -202,14 +202,20 @@ def free_port() -> int:
 def _rank_process(
     rank: int, world_size: int, port: int, out_dir: str, backend: str, threads: int, fn: Callable, args: tuple
 ) -> None:
+    # The group meets through a file in this launch's own folder, not a TCP port: a port found
+    # free by the parent can be taken by another program before rank 0 listens on it
+    # (EADDRINUSE on a busy machine). The address stays in the environment for code that
+    # reads it (a Lightning fit inside fn).
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    init_method = Path(out_dir, "rendezvous").as_uri()
     torch.set_num_threads(threads)
     if backend == "nccl":
         # One GPU per rank; "cuda" in fn (models, batches, meshes) means this rank's GPU.
         torch.cuda.set_device(rank)
-        dist.init_process_group("nccl", rank=rank, world_size=world_size, device_id=torch.device("cuda", rank))
+        device_id = torch.device("cuda", rank)
+        dist.init_process_group("nccl", init_method, rank=rank, world_size=world_size, device_id=device_id)
     else:
-        dist.init_process_group("gloo", rank=rank, world_size=world_size)
+        dist.init_process_group("gloo", init_method, rank=rank, world_size=world_size)
     try:
         torch.save(fn(rank, world_size, *args), Path(out_dir) / f"rank{rank}.pt")
     finally:

@@ -6,6 +6,7 @@ package is installed (transformers is in the dev extras), the real model class.
 
 from __future__ import annotations
 
+import importlib.util
 import math
 
 import pytest
@@ -273,9 +274,21 @@ def _units(rank: int, world: int, kind: str) -> list[str]:
     return default_fully_shard(nn.ModuleDict({"model": model}), mesh)
 
 
+def _units_of_every_kind(rank: int, world: int) -> dict[str, list[str]]:
+    kinds = ["stand-in"] + (["transformers"] if importlib.util.find_spec("transformers") else [])
+    return {kind: _units(rank, world, kind) for kind in kinds}
+
+
+@pytest.fixture(scope="module")
+def fsdp_units() -> dict[str, list[str]]:
+    """The FSDP units of the stand-in and of transformers' GPT-2 (where installed): one launch for both."""
+    (units,) = run_distributed(_units_of_every_kind, 1)
+    return units
+
+
 @pytest.mark.distributed
-def test_gpt2_layout_gets_one_fsdp_unit_per_block():
-    (units,) = run_distributed(_units, 1, "stand-in")
+def test_gpt2_layout_gets_one_fsdp_unit_per_block(fsdp_units):
+    units = fsdp_units["stand-in"]
     assert units[:2] == ["model.h.0", "model.h.1"]
 
 
@@ -322,7 +335,7 @@ def test_real_gpt2_split_qkv_orthogonalizes_q_k_v(gpt2):
 
 
 @pytest.mark.distributed
-def test_real_gpt2_gets_one_fsdp_unit_per_block():
+def test_real_gpt2_gets_one_fsdp_unit_per_block(fsdp_units):
     pytest.importorskip("transformers")
-    (units,) = run_distributed(_units, 1, "transformers")
+    units = fsdp_units["transformers"]
     assert units[:2] == ["model.transformer.h.0", "model.transformer.h.1"]

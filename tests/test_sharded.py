@@ -73,10 +73,34 @@ def _muon_names(opt: Muon) -> list[str]:
     return [n for g in opt.param_groups if g["algorithm"] == "muon" for n in g["param_names"]]
 
 
+# What each launch trains: (mode, drop_grad_step, ns_dtype) -> every rank's result.
+FP32_SCENARIOS = [("reduce_scatter", 3, "float32"), ("all_gather", 3, "float32")]
+BF16_SCENARIOS = [(mode, None, "bfloat16") for mode in ("replicated", "reduce_scatter", "all_gather")]
+SCENARIOS = {2: [*FP32_SCENARIOS, *BF16_SCENARIOS, ("replicated", None, "float32")], 3: FP32_SCENARIOS[:1]}
+
+
+def _scenarios(rank: int, world: int) -> dict:
+    """Every scenario of this world size in one launch; rank 0 also trains the one-process reference.
+
+    The reference (world 1) makes no collective call, so rank 0 computes it in its own
+    process, as a one-rank launch would, while the other ranks go on.
+    """
+    out = {scenario: _train(rank, world, *scenario) for scenario in SCENARIOS[world]}
+    if rank == 0 and world == 2:
+        out["single"] = _train(0, 1, "reduce_scatter", 3)
+    return out
+
+
+@pytest.fixture(scope="module")
+def runs() -> dict:
+    """One launch per world size (2 and 3 gloo ranks) for every test below."""
+    return {world: run_distributed(_scenarios, world) for world in SCENARIOS}
+
+
 @pytest.mark.parametrize(("world_size", "mode"), [(2, "reduce_scatter"), (3, "reduce_scatter"), (2, "all_gather")])
-def test_sharded_equals_single_process(world_size, mode):
-    reference = run_distributed(_train, 1, mode, 3)[0]
-    results = run_distributed(_train, world_size, mode, 3)
+def test_sharded_equals_single_process(runs, world_size, mode):
+    reference = runs[2][0]["single"]  # one process: the same for every mode
+    results = [rank[(mode, 3, "float32")] for rank in runs[world_size]]
     for res in results:
         for a, b in zip(res["params"], reference["params"]):
             # fp32 everywhere; the only differences are summation orders of the gradient
@@ -92,7 +116,7 @@ def test_sharded_equals_single_process(world_size, mode):
             assert moved <= muon_bytes + 4 * 3 * STEPS and moved + flags <= 1.05 * muon_bytes
 
 
-def test_sharded_equals_plain_ddp_with_bfloat16_newton_schulz():
+def test_sharded_equals_plain_ddp_with_bfloat16_newton_schulz(runs):
     """bf16 Newton-Schulz: owners reproduce what plain DDP (every rank steps everything) computes.
 
     One process is no reference in bf16 (a one-ulp change of the gradient sum turns into
@@ -105,12 +129,12 @@ def test_sharded_equals_plain_ddp_with_bfloat16_newton_schulz():
     """
     u = 2.0**-8
     bound = STEPS * 0.02 * 2 * 1.2 * u
-    plain = run_distributed(_train, 2, "replicated", None, "bfloat16")
+    plain = [rank[("replicated", None, "bfloat16")] for rank in runs[2]]
     for mode in ("reduce_scatter", "all_gather"):
-        sharded = run_distributed(_train, 2, mode, None, "bfloat16")
+        sharded = [rank[(mode, None, "bfloat16")] for rank in runs[2]]
         for rank in range(2):
             for a, b in zip(sharded[rank]["params"], plain[rank]["params"]):
                 torch.testing.assert_close(a, b, rtol=0, atol=bound)
     # Not vacuous: bf16 and fp32 Newton-Schulz do differ by more than the bound here.
-    fp32 = run_distributed(_train, 2, "replicated", None, "float32")
+    fp32 = [rank[("replicated", None, "float32")] for rank in runs[2]]
     assert max((a - b).abs().max().item() for a, b in zip(plain[0]["params"], fp32[0]["params"])) > bound
