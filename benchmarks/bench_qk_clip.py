@@ -2,21 +2,26 @@
 
 Two tables, one process:
 
-1. ``== qk_clip overhead``: the same training run (model, data, seed) timed without the
-   callback and with ``QKClip(threshold=100)``, alternating; next to the ratio, the share
-   of the clipped run's time spent measuring maxima (``head_max_logits``, called by the
-   SDPA drop-in) and inside the callback's hook (MAX all-reduce when distributed, factors,
-   scaling, logging), timed directly, which neighbours on a shared machine disturb far
-   less than the ratio. The verdict checks that share against the target (<= 3%).
-2. ``== maxima``: one attention forward at the demo's shapes: SDPA alone, SDPA plus the
+1. ``== qk_clip overhead``: one row per model shape (the demo model of configs/muon.yaml,
+   then two at realistic widths, d=512 and d=768); for each, the same training run (model,
+   data, seed) timed without the callback and with ``QKClip(threshold=100)``, alternating;
+   next to the ratio, the share of the clipped run's time spent measuring maxima
+   (``head_max_logits``, called by the SDPA drop-in) and inside the callback's hook (MAX
+   all-reduce when distributed, factors, scaling, logging), timed directly, which
+   neighbours on a shared machine disturb far less than the ratio. The verdict checks that
+   share against the target (<= 3%) per row. Beside it, the FLOP model's prediction of the
+   measuring share (:func:`predicted_share`): the extra ``Q K^T`` is ``2 B T^2 d`` per
+   layer against ``72 B T d^2 + 12 B T^2 d`` for a layer's forward and backward, so the
+   share falls like ``T / (36 d)`` as the model widens.
+2. ``== maxima``: one attention forward at each row's shapes: SDPA alone, SDPA plus the
    drop-in's second ``Q K^T`` and masked max, and (CUDA) flex attention with and without
    the kernel's own ``max_scores``; on CPU torch 2.13 refuses ``max_scores``, and the
    line says so.
 
 Usage::
 
-    python benchmarks/bench_qk_clip.py                 # demo model (configs/muon.yaml's), 3 x 2 runs of 30 steps
-    python benchmarks/bench_qk_clip.py --quick         # tiny model, a few steps (smoke test)
+    python benchmarks/bench_qk_clip.py                 # three shapes, 3 x 2 runs each (30 steps demo, 10 wide)
+    python benchmarks/bench_qk_clip.py --quick         # one tiny model, a few steps (smoke test)
     python benchmarks/bench_qk_clip.py --device cuda   # on a GPU
 
 The JSON holds the machine, the settings and every run.
@@ -50,9 +55,37 @@ from lightning_muon_demo.module import CharGPTModule
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_qk_clip.json"
 TARGET_OVERHEAD = 0.03
 
-# configs/muon.yaml's model and batch; --quick shrinks both.
-DEMO = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=32)
-QUICK = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8)
+# configs/muon.yaml's model and batch, then two realistic widths (head dim 64, GPT-2 small's
+# d=768) at a context of 256 and a batch small enough for seconds per step on a 2-core CPU;
+# "steps" is each row's default run length. --quick runs one tiny shape.
+DEMO = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=32, steps=30)
+WIDE = (
+    dict(n_layer=2, n_head=8, n_embd=512, block_size=256, batch_size=4, steps=10),
+    dict(n_layer=2, n_head=12, n_embd=768, block_size=256, batch_size=4, steps=10),
+)
+QUICK = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8, steps=6)
+VOCAB = 256  # CharGPTModule's byte vocabulary: the lm_head's width in the FLOP model
+
+
+def predicted_share(shape: dict[str, int], vocab: int = VOCAB) -> float:
+    """The FLOP model's share of a step spent on the maxima's extra ``Q K^T`` product.
+
+    Dense counts (causal skipping ignored on both sides), model FLOPs only (the optimizer
+    step, norms and element-wise work left out). Per layer, with ``N = B T`` tokens:
+
+    - linear layers (qkv ``3d^2``, proj ``d^2``, fc1 and fc2 ``8d^2``): forward ``2 N 12 d^2``,
+      backward twice that, so ``72 N d^2``;
+    - attention ``Q K^T`` and ``P V``: forward ``4 B T^2 d``, backward twice that: ``12 B T^2 d``;
+    - the maxima: one more ``Q K^T``, forward only, ``2 B T^2 d``;
+
+    plus the lm_head, ``6 N d V``. Hence share ``= L 2 B T^2 d / (L (72 N d^2 + 14 B T^2 d) +
+    6 N d V)``, about ``T / (36 d)`` when ``d`` is large against ``T`` and ``V``.
+    """
+    L, d, T, B = shape["n_layer"], shape["n_embd"], shape["block_size"], shape["batch_size"]
+    n = B * T
+    extra = L * 2 * B * T * T * d
+    step = L * (72 * n * d * d + 12 * B * T * T * d) + 6 * n * d * vocab
+    return extra / (step + extra)
 
 
 class _Clock(pl.Callback):
@@ -193,7 +226,9 @@ def attention_costs(shape: dict[str, int], device: torch.device, repeats: int = 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.splitlines()[0])
-    parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (default 30; quick 6)")
+    parser.add_argument(
+        "--steps", type=int, default=None, help="steps per run, every row (default: demo 30, wide 10, quick 6)"
+    )
     parser.add_argument("--repeats", type=int, default=None, help="baseline/clipped pairs (default 3; quick 1)")
     parser.add_argument("--quick", action="store_true", help="tiny model and a few steps: a smoke test")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before measuring")
@@ -207,79 +242,101 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return args
 
 
-def main(argv: list[str] | None = None) -> int:
-    args = parse_args(argv)
-    device = torch.device(args.device)
-    if args.threads is not None:
-        torch.set_num_threads(args.threads)
-    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # routing reports, tips
-    shape = QUICK if args.quick else DEMO
-    steps = args.steps or (6 if args.quick else 30)
-    repeats = args.repeats or (1 if args.quick else 3)
-    machine = describe_machine(device)
-    gpu = f", GPU {machine['gpu']} ({device})" if device.type == "cuda" else ""
-    where = f"{machine['cpu']}, {machine['torch_threads']} threads{gpu}"
-    print(f"machine: {machine_line(machine)}")
-    runs: list[dict[str, Any]] = []
-    with tempfile.TemporaryDirectory() as tmp:
-        workdir = Path(tmp)
-        _fit(shape, min(steps, 3), True, workdir, device)  # warm-up: imports, allocator, threads
-        for _ in range(repeats):
-            for clipped in (False, True):
-                runs.append(_fit(shape, steps, clipped, workdir, device))
-                print(f"  run: clipped={clipped} {runs[-1]['s_per_step']:.4f} s/step", file=sys.stderr)
+def _model_name(shape: dict[str, int]) -> str:
+    dims = ("L", "n_layer"), ("d", "n_embd"), ("H", "n_head"), ("T", "block_size"), ("B", "batch_size")
+    return "CharGPT " + " ".join(f"{k}{shape[n]}" for k, n in dims)
 
+
+def measure_row(
+    shape: dict[str, int], steps: int, repeats: int, quick: bool, where: str, workdir: Path, device: torch.device
+) -> dict[str, Any]:
+    """One table row: warm-up, then ``repeats`` baseline/clipped pairs at ``shape``; the shares and the verdict."""
+    _fit(shape, min(steps, 3), True, workdir, device)  # warm-up: imports, allocator, threads, this shape
+    runs: list[dict[str, Any]] = []
+    for _ in range(repeats):
+        for clipped in (False, True):
+            runs.append({"model": _model_name(shape), **_fit(shape, steps, clipped, workdir, device)})
+            print(f"  run: {runs[-1]['model']} clipped={clipped} {runs[-1]['s_per_step']:.4f} s/step", file=sys.stderr)
     base = statistics.median(r["s_per_step"] for r in runs if not r["clipped"])
     clip = statistics.median(r["s_per_step"] for r in runs if r["clipped"])
     ratio = statistics.median(c["s_per_step"] / b["s_per_step"] for b, c in zip(runs[::2], runs[1::2]))
     share_measure = statistics.median(r["measure_seconds"] / r["seconds"] for r in runs if r["clipped"])
     share_hook = statistics.median(r["hook_seconds"] / r["seconds"] for r in runs if r["clipped"])
     inside = share_measure + share_hook
-    dims = ("L", "n_layer"), ("d", "n_embd"), ("H", "n_head"), ("T", "block_size"), ("B", "batch_size")
-    model = "CharGPT " + " ".join(f"{k}{shape[n]}" for k, n in dims)
-    verdict = "n/a (quick)" if args.quick else "ok" if inside <= TARGET_OVERHEAD else "MISS"
-    print("== qk_clip overhead")
-    print(
-        "| model | steps | baseline s/step | QKClip s/step | ratio | maxima | hook | inside QKClip | target | verdict "
-        "| machine |"
-    )
-    print("|---|---|---|---|---|---|---|---|---|---|---|")
+    predicted = predicted_share(shape)
+    verdict = "n/a (quick)" if quick else "ok" if inside <= TARGET_OVERHEAD else "MISS"
     line = (
-        f"| {model} | {steps} | {base:.4f} | {clip:.4f} | {ratio:.3f} ({ratio - 1:+.1%}) | {share_measure:.2%} "
-        f"| {share_hook:.2%} | {inside:.2%} | <= {TARGET_OVERHEAD:.0%} | {verdict} | {where} |"
+        f"| {_model_name(shape)} | {steps} | {base:.4f} | {clip:.4f} | {ratio:.3f} ({ratio - 1:+.1%}) "
+        f"| {predicted:.2%} | {share_measure:.2%} | {share_hook:.2%} | {inside:.2%} | <= {TARGET_OVERHEAD:.0%} "
+        f"| {verdict} | {where} |"
     )
-    print(line)
     costs = attention_costs(shape, device)
-    print("== maxima (one causal attention forward at the model's shapes, best of 10)")
-    print("| SDPA ms | SDPA + maxima ms | maxima / SDPA | flex ms | flex + max_scores ms | machine |")
-    print("|---|---|---|---|---|---|")
     flex = (
         f"{costs['flex_s'] * 1e3:.3f} | {costs['flex_max_scores_s'] * 1e3:.3f} ({costs['flex_share']:+.1%})"
         if "flex_s" in costs
         else f"- | {costs.get('flex_note', '-')}"
     )
     maxima_line = (
-        f"| {costs['sdpa_s'] * 1e3:.3f} | {costs['sdpa_plus_maxima_s'] * 1e3:.3f} | {costs['maxima_share']:+.1%} "
-        f"| {flex} | {where} |"
+        f"| {_model_name(shape)} | {costs['sdpa_s'] * 1e3:.3f} | {costs['sdpa_plus_maxima_s'] * 1e3:.3f} "
+        f"| {costs['maxima_share']:+.1%} | {flex} | {where} |"
     )
-    print(maxima_line)
-    report = {
-        "machine": machine,
-        "settings": {"model": shape, "steps": steps, "repeats": repeats, "threshold": 100.0},
+    return {
+        "model": shape,
+        "steps": steps,
         "runs": runs,
         "attention": costs,
-        "result": {
-            "baseline_s_per_step": base,
-            "clipped_s_per_step": clip,
-            "ratio": ratio,
-            "maxima_share": share_measure,
-            "hook_share": share_hook,
-            "inside_share": inside,
-            "target": TARGET_OVERHEAD,
-            "verdict": verdict,
-            "line": line,
-            "maxima_line": maxima_line,
-        },
+        "baseline_s_per_step": base,
+        "clipped_s_per_step": clip,
+        "ratio": ratio,
+        "predicted_maxima_share": predicted,
+        "maxima_share": share_measure,
+        "hook_share": share_hook,
+        "inside_share": inside,
+        "target": TARGET_OVERHEAD,
+        "verdict": verdict,
+        "line": line,
+        "maxima_line": maxima_line,
+    }
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    device = torch.device(args.device)
+    if args.threads is not None:
+        torch.set_num_threads(args.threads)
+    logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # routing reports, tips
+    shapes = [QUICK] if args.quick else [DEMO, *WIDE]
+    repeats = args.repeats or (1 if args.quick else 3)
+    machine = describe_machine(device)
+    gpu = f", GPU {machine['gpu']} ({device})" if device.type == "cuda" else ""
+    where = f"{machine['cpu']}, {machine['torch_threads']} threads{gpu}"
+    print(f"machine: {machine_line(machine)}")
+    rows = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for shape in shapes:
+            steps = args.steps or shape["steps"]
+            rows.append(measure_row(shape, steps, repeats, args.quick, where, Path(tmp), device))
+    print("== qk_clip overhead (inside QKClip = maxima + hook, each timed directly; predicted = FLOP model's maxima)")
+    print(
+        "| model | steps | baseline s/step | QKClip s/step | ratio | predicted maxima | maxima | hook "
+        "| inside QKClip | target | verdict | machine |"
+    )
+    print("|---|---|---|---|---|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(row["line"])
+    print("== maxima (one causal attention forward at each row's shapes, best of 10)")
+    print("| model | SDPA ms | SDPA + maxima ms | maxima / SDPA | flex ms | flex + max_scores ms | machine |")
+    print("|---|---|---|---|---|---|---|")
+    for row in rows:
+        print(row["maxima_line"])
+    first = rows[0]
+    report = {
+        "machine": machine,
+        "settings": {"models": shapes, "repeats": repeats, "threshold": 100.0, "steps": [r["steps"] for r in rows]},
+        "runs": [run for row in rows for run in row["runs"]],
+        "attention": first["attention"],
+        "result": {k: v for k, v in first.items() if k not in ("runs", "attention")},  # the first row
+        "rows": [{k: v for k, v in row.items() if k != "runs"} for row in rows],
     }
     args.out.parent.mkdir(parents=True, exist_ok=True)
     args.out.write_text(json.dumps(report, indent=2))

@@ -44,6 +44,7 @@ def test_head_max_logits_against_brute_force(monkeypatch):
     torch.testing.assert_close(head_max_logits(q, k, attn_mask=padding, scale=0.3), _brute_max(q, k, padding, 0.3))
     torch.testing.assert_close(head_max_logits(q, k, attn_mask=additive), _brute_max(q, k, padding, 0.5))
     monkeypatch.setattr(maxima_module, "_MAX_SCORE_ELEMENTS", 40)  # query blocks of one row
+    torch.testing.assert_close(head_max_logits(q, k, is_causal=True), _brute_max(q, k, causal, 0.5))
     torch.testing.assert_close(
         head_max_logits(q, k, attn_mask=padding, is_causal=True), _brute_max(q, k, padding & causal, 0.5)
     )

@@ -189,9 +189,12 @@ def head_max_logits(
         keys = min(Tk, stop) if is_causal else Tk  # causal: key j <= query i < stop
         qb = q[:, :, :, start:stop].reshape(B * G, r * (stop - start), d)  # (B*G, r*t, d)
         scores = torch.bmm(qb, kt[:, :, :keys]).view(B, G, r, stop - start, keys)  # (B, G, r, t, k)
-        if is_causal:
+        if is_causal and keys > start:
+            # Keys before `start` are visible to every query of the block: mask only the
+            # (t, keys - start) corner that reaches past the diagonal (a strided in-place fill).
             rows = torch.arange(start, stop, device=query.device)[:, None]
-            scores.masked_fill_(torch.arange(keys, device=query.device)[None, :] > rows, float("-inf"))  # (t, k)
+            cols = torch.arange(start, keys, device=query.device)[None, :]
+            scores[..., start:].masked_fill_(cols > rows, float("-inf"))  # (t, keys - start)
         if mask is not None:
             scores.masked_fill_(~mask[..., start:stop, :keys], float("-inf"))
         best = torch.maximum(best, scores.amax(dim=(0, 3, 4)).float())
