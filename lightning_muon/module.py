@@ -19,8 +19,10 @@ from torch import Tensor, nn
 
 from lightning_muon.callbacks.schedule_free import ScheduleFreeModeSwitch, save_in_eval_mode
 from lightning_muon.config import MuonConfig
-from lightning_muon.muon import ALGORITHMS, Muon, _as_groups
-from lightning_muon.routing import Rule, route_parameters
+from lightning_muon.hparams import ALGORITHMS
+from lightning_muon.muon import Muon
+from lightning_muon.param_groups import as_groups
+from lightning_muon.routing import Rule
 from lightning_muon.schedules import MuonScheduler
 
 __all__ = ["MuonModuleMixin", "build_optimizers", "build_schedulers", "configure_muon_optimizers"]
@@ -37,16 +39,12 @@ def _total_steps(config: MuonConfig, module: nn.Module | None) -> int | None:
     trainer = getattr(module, "_trainer", None)
     estimate = trainer.estimated_stepping_batches if trainer is not None else None
     known = estimate is not None and math.isfinite(estimate) and estimate >= 1
-    try:
-        config.lr_schedule(None)
-    except ValueError:
-        pass
-    else:
+    if not config.schedule.needs_total_steps:
         # The schedule does not depend on the run's length (constant, inverse_sqrt), but a
         # warmup or stable phase longer than the run would never reach the peak lr: the same
         # error as for the falloffs that need the total.
         if known:
-            config.lr_schedule(int(estimate))
+            config.schedule.check_fits(int(estimate))
         return None
     if not known:
         raise ValueError(
@@ -64,10 +62,11 @@ def configure_muon_optimizers(module: nn.Module, config: MuonConfig | dict[str, 
     is logged on rank zero.
     """
     config = MuonConfig.from_any(config)
-    groups = route_parameters(module, **config.routing_kwargs())
+    groups = config.routing.build(module)
     rank_zero_info(groups.report())
-    optimizer = Muon(groups, **config.optimizer_kwargs())
-    scheduler = MuonScheduler(optimizer, config.lr_schedule(_total_steps(config, module)), config.momentum_warmup())
+    optimizer = config.optimizer.build(groups)
+    schedule = config.schedule.build(_total_steps(config, module))
+    scheduler = MuonScheduler(optimizer, schedule, config.schedule.momentum_warmup)
     return {
         "optimizer": optimizer,
         "lr_scheduler": {"scheduler": scheduler, "interval": "step", "frequency": 1, "name": "muon"},
@@ -161,15 +160,12 @@ def build_optimizers(
     stepping and ``eval()`` before evaluating or saving).
     """
     config = MuonConfig.from_any(config)
-    if isinstance(params, nn.Module):
-        groups = list(route_parameters(params, **config.routing_kwargs()))
-    else:
-        groups = _as_groups(params)
+    groups = list(config.routing.build(params)) if isinstance(params, nn.Module) else as_groups(params)
     optimizers = []
     for algorithm in ALGORITHMS:
         chosen = [g for g in groups if g.get("algorithm", algorithm) == algorithm]
         if chosen:
-            optimizers.append(Muon(chosen, **config.optimizer_kwargs()))
+            optimizers.append(config.optimizer.build(chosen))
     return optimizers
 
 
@@ -180,6 +176,5 @@ def build_schedulers(
 ) -> list[MuonScheduler]:
     """One ``MuonScheduler`` per optimizer, all following the same lr schedule and momentum warmup."""
     config = MuonConfig.from_any(config)
-    total = total_steps if total_steps is not None else config.total_steps
-    schedule = config.lr_schedule(total)
-    return [MuonScheduler(opt, schedule, config.momentum_warmup()) for opt in optimizers]
+    schedule = config.schedule.build(total_steps if total_steps is not None else config.total_steps)
+    return [MuonScheduler(opt, schedule, config.schedule.momentum_warmup) for opt in optimizers]

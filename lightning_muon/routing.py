@@ -33,6 +33,7 @@ must all match (a name glob AND a module type).
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import fnmatch
 import functools
@@ -41,14 +42,23 @@ import re
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any
+from typing import Any, Literal
 
 from torch import Tensor, nn
 
-__all__ = ["DEFAULT_HEAD_NAMES", "TOKEN_TABLE_NAMES", "TRANSPOSED_MODULES", "ParamGroups", "Rule", "route_parameters"]
+from lightning_muon.hparams import ALGORITHMS
 
-ALGORITHMS = ("muon", "adamw", "lion", "adamw_schedulefree")
-SCALAR_ALGORITHMS = ("adamw", "lion", "adamw_schedulefree")
+__all__ = [
+    "DEFAULT_HEAD_NAMES",
+    "TOKEN_TABLE_NAMES",
+    "TRANSPOSED_MODULES",
+    "ParamGroups",
+    "RoutingConfig",
+    "Rule",
+    "route_parameters",
+]
+
+SCALAR_ALGORITHMS = ALGORITHMS[1:]
 DEFAULT_HEAD_NAMES = ("lm_head", "head", "output", "output_layer", "output_projection", "classifier", "fc_out")
 # Module class names whose 2-D ``weight`` is stored (fan_in, fan_out), the transpose of
 # nn.Linear: transformers' Conv1D (GPT-2, GPT-J style). Matched by name: no import needed.
@@ -91,9 +101,9 @@ def _call(fn: Callable | str, *args: Any) -> bool:
 
 def _check_option_names(rule: str, algorithm: str, options: dict[str, Any]) -> None:
     """A typo in an option would become a group key nobody reads: refuse it, with the closest valid name."""
-    from lightning_muon.muon import Muon  # the optimizer owns its hyperparameter names
+    from lightning_muon.param_groups import option_names  # the algorithms' configs own their names
 
-    valid = Muon.option_names(algorithm)
+    valid = option_names(algorithm)
     for key in options:
         if key not in valid:
             close = difflib.get_close_matches(str(key), sorted(valid), n=1)
@@ -304,6 +314,34 @@ def _default_rules(
     )
     rules.append(Rule(name="hidden_matrices", algorithm="muon", group="muon", min_ndim=2))
     return rules
+
+
+@dataclass(frozen=True, kw_only=True)
+class RoutingConfig:
+    """The routing part of ``MuonConfig``: ``route_parameters``' arguments; ``build(module)`` routes."""
+
+    rules: tuple[Rule, ...] = ()
+    """Rules tried in order before the default rules."""
+    default_rules: bool = True
+    """Append the default rules (embedding, head, vectors to the scalar algorithm; matrices to Muon)."""
+    max_aspect_ratio: float | None = None
+    """Send matrices whose long side exceeds this many times the short side to the scalar algorithm."""
+    head_names: tuple[str, ...] = DEFAULT_HEAD_NAMES
+    """Attribute names that mark a Linear as the output head."""
+    head_by_position: bool = True
+    """Without a named head, treat the last nn.Linear as the head."""
+    input_layer: bool = False
+    """Send the first convolution or Linear weight (a convnet's stem) to the scalar algorithm."""
+    scalar_algorithm: Literal["adamw", "lion", "adamw_schedulefree"] = "adamw"
+    """Algorithm of the default rules' non-Muon groups."""
+
+    def kwargs(self) -> dict[str, Any]:
+        """``route_parameters``' keyword arguments."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {"rules": list(self.rules)}
+
+    def build(self, module: nn.Module) -> ParamGroups:
+        """``module``'s trainable parameters in named param groups."""
+        return route_parameters(module, **self.kwargs())
 
 
 def route_parameters(

@@ -23,28 +23,61 @@ from __future__ import annotations
 
 import math
 import warnings
-from dataclasses import asdict, dataclass, replace
-from typing import Any
+from dataclasses import asdict, dataclass, field, replace
+from typing import Any, Literal
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
-__all__ = ["FALLOFFS", "LRSchedule", "MomentumWarmup", "MuonScheduler", "lr_multiplier", "momentum_at", "steps_of"]
+__all__ = [
+    "FALLOFFS",
+    "LRSchedule",
+    "MomentumWarmup",
+    "MuonScheduler",
+    "ScheduleConfig",
+    "lr_multiplier",
+    "momentum_at",
+    "steps_of",
+]
 
 FALLOFFS = ("constant", "linear", "cosine", "wsd", "inverse_sqrt")
+Falloff = Literal["constant", "linear", "cosine", "wsd", "inverse_sqrt"]
+# Falloffs whose shape depends on the run's length.
+NEEDS_TOTAL = ("linear", "cosine", "wsd")
+
+
+def check_phase(value: float, name: str) -> None:
+    """Check a phase length: a whole number of steps (``>= 1``, or 0) or a fraction of the total (``< 1``)."""
+    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
+        raise ValueError(f"{name} must be a number of steps or a fraction in [0, 1), got {value!r}")
+    if value >= 1 and value != int(value):
+        raise ValueError(f"{name} must be a whole number of steps or a fraction in (0, 1), got {value!r}")
 
 
 def steps_of(value: float, total: int | None, name: str) -> int:
     """A phase length given as steps (``>= 1``, or 0) or as a fraction of ``total`` (``< 1``)."""
-    if isinstance(value, bool) or not isinstance(value, (int, float)) or not math.isfinite(value) or value < 0:
-        raise ValueError(f"{name} must be a number of steps or a fraction in [0, 1), got {value!r}")
+    check_phase(value, name)
     if 0 < value < 1:
         if total is None:
             raise ValueError(f"{name}={value} is a fraction of the total steps, but total_steps is unknown")
         return int(round(value * total))
-    if value != int(value):
-        raise ValueError(f"{name} must be a whole number of steps or a fraction in (0, 1), got {value!r}")
     return int(value)
+
+
+def check_min_lr_ratio(value: float) -> None:
+    if not (isinstance(value, (int, float)) and 0.0 <= value <= 1.0):
+        raise ValueError(f"min_lr_ratio must be in [0, 1], got {value!r}")
+
+
+def check_total_steps(value: int | None) -> None:
+    if value is not None and (isinstance(value, bool) or not isinstance(value, int) or value < 1):
+        raise ValueError(f"total_steps must be a positive int or None, got {value!r}")
+
+
+def check_fits(warmup_steps: int, stable_steps: int, total_steps: int) -> None:
+    """A warmup and a stable phase longer than the run would never reach (or leave) the peak lr."""
+    if warmup_steps + stable_steps > total_steps:
+        raise ValueError(f"warmup ({warmup_steps}) + stable ({stable_steps}) steps exceed total_steps ({total_steps})")
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -75,14 +108,10 @@ class LRSchedule:
         """
         if falloff not in FALLOFFS:
             raise ValueError(f"falloff must be one of {FALLOFFS}, got {falloff!r}")
-        if total_steps is not None and (
-            isinstance(total_steps, bool) or not isinstance(total_steps, int) or total_steps < 1
-        ):
-            raise ValueError(f"total_steps must be a positive int or None, got {total_steps!r}")
-        if falloff in ("linear", "cosine", "wsd") and total_steps is None:
+        check_total_steps(total_steps)
+        if falloff in NEEDS_TOTAL and total_steps is None:
             raise ValueError(f"falloff={falloff!r} needs total_steps")
-        if not (isinstance(min_lr_ratio, (int, float)) and 0.0 <= min_lr_ratio <= 1.0):
-            raise ValueError(f"min_lr_ratio must be in [0, 1], got {min_lr_ratio!r}")
+        check_min_lr_ratio(min_lr_ratio)
         warmup_steps = steps_of(warmup, total_steps, "warmup")
         stable_steps = steps_of(stable, total_steps, "stable")
         if falloff == "wsd":
@@ -92,10 +121,8 @@ class LRSchedule:
                     f"warmup ({warmup_steps}) + cooldown ({cooldown_steps}) steps exceed total_steps ({total_steps})"
                 )
             stable_steps = total_steps - warmup_steps - cooldown_steps
-        if total_steps is not None and warmup_steps + stable_steps > total_steps:
-            raise ValueError(
-                f"warmup ({warmup_steps}) + stable ({stable_steps}) steps exceed total_steps ({total_steps})"
-            )
+        if total_steps is not None:
+            check_fits(warmup_steps, stable_steps, total_steps)
         return cls(
             falloff="linear" if falloff == "wsd" else falloff,
             warmup_steps=warmup_steps,
@@ -141,6 +168,67 @@ def momentum_at(step: int, target: float, warmup: MomentumWarmup) -> float:
     if warmup.steps == 0 or step >= warmup.steps:
         return target
     return warmup.start + (target - warmup.start) * step / warmup.steps
+
+
+@dataclass(frozen=True, kw_only=True)
+class ScheduleConfig:
+    """The lr schedule and Muon momentum warmup of a run, as ``MuonConfig`` sets them; ``build()`` resolves it."""
+
+    falloff: Falloff = "constant"
+    """lr falloff after warmup and stable: constant, linear, cosine, wsd, inverse_sqrt."""
+    warmup: float = 0
+    """Warmup length: steps (>= 1) or a fraction of total steps (< 1)."""
+    stable: float = 0
+    """Steps (or fraction) held at the peak lr after warmup."""
+    cooldown: float = 0.2
+    """``wsd`` only: length of the final linear decay, steps or fraction."""
+    min_lr_ratio: float = 0.0
+    """Lowest lr as a fraction of the peak."""
+    total_steps: int | None = None
+    """Total optimizer steps; None takes ``trainer.estimated_stepping_batches``."""
+    momentum_warmup: MomentumWarmup = field(default_factory=MomentumWarmup)
+    """Muon momentum warmup."""
+
+    def __post_init__(self) -> None:
+        if self.falloff not in FALLOFFS:
+            raise ValueError(f"falloff must be one of {FALLOFFS}, got {self.falloff!r}")
+        check_phase(self.warmup, "warmup")
+        check_phase(self.stable, "stable")
+        check_phase(self.cooldown, "cooldown")  # only wsd reads it, but a bad value is a mistake under any falloff
+        check_min_lr_ratio(self.min_lr_ratio)
+        check_total_steps(self.total_steps)
+        if self.total_steps is not None:
+            object.__setattr__(self, "_built", self._create(self.total_steps))  # the one schedule of the run
+
+    @property
+    def needs_total_steps(self) -> bool:
+        """True when the schedule depends on the run's length: a falloff over it, or a phase given as a fraction."""
+        phases = (self.warmup, self.stable, *((self.cooldown,) if self.falloff == "wsd" else ()))
+        return self.falloff in NEEDS_TOTAL or any(0 < v < 1 for v in phases)
+
+    def check_fits(self, total_steps: int) -> None:
+        """Raise when warmup and stable (given in steps) outlast a run of ``total_steps``."""
+        check_fits(
+            steps_of(self.warmup, total_steps, "warmup"), steps_of(self.stable, total_steps, "stable"), total_steps
+        )
+
+    def build(self, total_steps: int | None) -> LRSchedule:
+        """The resolved ``LRSchedule`` for a run of ``total_steps`` (None: unknown; fine for constant and inverse_sqrt).
+
+        For ``self.total_steps`` it is the one built (and checked) with the config.
+        """
+        built = getattr(self, "_built", None)
+        return built if built is not None and built.total_steps == total_steps else self._create(total_steps)
+
+    def _create(self, total_steps: int | None) -> LRSchedule:
+        return LRSchedule.create(
+            self.falloff,
+            warmup=self.warmup,
+            stable=self.stable,
+            cooldown=self.cooldown,
+            total_steps=total_steps,
+            min_lr_ratio=self.min_lr_ratio,
+        )
 
 
 class MuonScheduler(LRScheduler):

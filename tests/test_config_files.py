@@ -1,0 +1,126 @@
+"""Every YAML we ship parses unchanged: configs/ through the CLI's parser, the examples' MuonConfig sections.
+
+Parsing checks the types (``Literal`` choices included) as LightningCLI does; building
+the ``MuonConfig`` of every ``muon_config`` section runs its checks; and every value the
+file sets comes out of the config as written.
+"""
+
+from __future__ import annotations
+
+import copy
+import dataclasses
+import importlib.util
+from pathlib import Path
+from typing import Any
+
+import jsonargparse
+import lightning.pytorch as pl
+import pytest
+import yaml
+from lightning.pytorch.cli import LightningCLI
+
+from lightning_muon import MuonConfig
+from lightning_muon.cli import MuonArgumentParser, MuonCLI
+
+ROOT = Path(__file__).resolve().parents[1]
+CLI_CONFIGS = sorted((ROOT / "configs").glob("*.yaml"))
+EXAMPLE_CONFIGS = sorted((ROOT / "examples").glob("*/*.yaml"))
+SECTIONS = ("muon_config", "adamw_config")  # the keys that hold a MuonConfig in our YAML files
+
+
+class _ParseOnly(MuonCLI):
+    def instantiate_classes(self) -> None:  # parsing is the point; nothing is built
+        pass
+
+
+def _parse_with_example_cli(path: Path) -> None:
+    """examples/lightning_cli: its own LightningCLI (its model and datamodule classes) parses the file."""
+    spec = importlib.util.spec_from_file_location("lightning_cli_example", path.parent / "main.py")
+    module = importlib.util.module_from_spec(spec)
+    spec.loader.exec_module(module)
+    parse_only = type("ParseOnly", (LightningCLI,), {"instantiate_classes": lambda self: None})
+    cli = parse_only(module.DigitsMLP, module.DigitsDataModule, args=["--config", str(path)], run=False)
+    assert cli.config.model.muon_config is not None
+
+
+def _sections(tree: Any, path: str = "") -> list[tuple[str, dict]]:
+    """Every ``muon_config`` / ``adamw_config`` mapping in a YAML tree, with where it sits."""
+    found = []
+    if isinstance(tree, dict):
+        for key, value in tree.items():
+            if key in SECTIONS and isinstance(value, dict):
+                found.append((f"{path}{key}", value))
+            else:
+                found += _sections(value, f"{path}{key}.")
+    elif isinstance(tree, list):
+        for i, value in enumerate(tree):
+            found += _sections(value, f"{path}{i}.")
+    return found
+
+
+def _same(value: Any, written: Any) -> bool:
+    if isinstance(value, (list, tuple)) and isinstance(written, (list, tuple)):
+        return len(value) == len(written) and all(_same(v, w) for v, w in zip(value, written))
+    if dataclasses.is_dataclass(value) and isinstance(written, dict):
+        return all(_same(getattr(value, k), w) for k, w in written.items())
+    return value == written
+
+
+def _assert_unchanged(config: MuonConfig, written: dict, where: str) -> None:
+    for key, value in written.items():
+        assert _same(getattr(config, key), value), f"{where}.{key}: wrote {value!r}, got {getattr(config, key)!r}"
+
+
+@pytest.mark.parametrize("path", CLI_CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_cli_configs_parse_unchanged(path):
+    cli = _ParseOnly(
+        pl.LightningModule,
+        None,
+        subclass_mode_model=True,
+        subclass_mode_data=True,
+        parser_class=MuonArgumentParser,
+        args=["--config", str(path)],
+        run=False,
+    )
+    parsed = cli.config.model.init_args.muon_config
+    written = yaml.safe_load(path.read_text())["model"]
+    written = written.get("init_args", written)["muon_config"]
+    config = MuonConfig.from_any(vars(parsed) if not isinstance(parsed, dict) else parsed)
+    _assert_unchanged(config, written, f"{path.name}: model.muon_config")
+
+
+@pytest.mark.parametrize("path", EXAMPLE_CONFIGS, ids=lambda p: str(p.relative_to(ROOT)))
+def test_example_configs_parse_unchanged(path):
+    if path.parent.name == "lightning_cli":
+        _parse_with_example_cli(path)
+    sections = _sections(yaml.safe_load(path.read_text()))
+    if not sections:
+        # muon_vs_adamw: RunSpec fields, from which the experiment builds its MuonConfig.
+        from lightning_muon_demo.experiment import RunSpec, muon_config_for
+
+        fields = {f.name for f in dataclasses.fields(RunSpec)}
+        written = {k: v for k, v in yaml.safe_load(path.read_text()).items() if k in fields}
+        assert written, f"{path}: neither a MuonConfig section nor RunSpec fields"
+        spec = RunSpec(**written)
+        assert isinstance(muon_config_for(spec), MuonConfig)
+        return
+    parser = jsonargparse.ArgumentParser(exit_on_error=False)
+    parser.add_argument("--muon", type=MuonConfig)
+    for where, written in sections:
+        config = parser.instantiate(parser.parse_object({"muon": copy.deepcopy(written)})).muon
+        _assert_unchanged(config, written, f"{path.name}: {where}")
+
+
+def test_every_yaml_file_is_covered():
+    assert len(CLI_CONFIGS) >= 5 and len(EXAMPLE_CONFIGS) >= 7
+    assert not list((ROOT / "configs").rglob("*.yml")) and not list((ROOT / "examples").rglob("*.yml"))
+
+
+def test_a_bad_choice_is_rejected_while_parsing():
+    # Literal types: jsonargparse refuses the value before any MuonConfig is built.
+    parser = jsonargparse.ArgumentParser(exit_on_error=False)
+    parser.add_argument("--muon", type=MuonConfig)
+    for field, value in (("falloff", "exponential"), ("adjust_lr", "sqrt"), ("second_moment", "adam")):
+        with pytest.raises(jsonargparse.ArgumentError, match=field):
+            parser.parse_object({"muon": {field: value}})
+    assert parser.parse_object({"muon": {"falloff": "wsd"}}).muon.falloff == "wsd"
