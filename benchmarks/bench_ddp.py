@@ -9,7 +9,10 @@ Three results, each a ratio of two numbers measured in the same run on the same 
   collectives, against plain DDP (every gradient all-reduced) measured the same way;
 - optimizer step wall time (``reduce_gradients`` + ``Muon.step``, which gathers the
   parameters; the slowest rank, median over steps) against one process with the same
-  number of threads per process.
+  number of threads per process;
+- time from the end of backward to the end of the step in a whole training step, with the
+  Muon gradients sent after backward (``reduce_scatter``) against sent from backward's
+  hooks (``overlap``).
 
 Usage::
 
@@ -104,10 +107,13 @@ class _Run:
     """MuonSharding's own byte counts over the counted steps (its stats keep counting later)."""
     gather_s: float = 0.0
     times: dict[str, list[float]] = field(
-        default_factory=lambda: {k: [] for k in ("step", "reduce", "ns", "gather", "cpu")}
+        default_factory=lambda: {
+            k: [] for k in ("step", "reduce", "ns", "gather", "cpu", "backward", "after_backward")
+        }
     )
     """Seconds per timed step: wall time of the step and of its reduce_gradients, Newton-Schulz
-    and gather_parameters parts; CPU time of the step."""
+    and gather_parameters parts; CPU time of the step. Of a whole training step: forward +
+    backward, and from the end of backward to the end of the optimizer step."""
 
 
 def _optimizer(model: nn.Module) -> Muon:
@@ -121,7 +127,7 @@ def _build(name: str, s: Settings) -> _Run:
     opt = _optimizer(model)
     run = _Run(name, model, opt)
     if name != "ddp":
-        run.sharding = MuonSharding(opt, mode=name)
+        run.sharding = MuonSharding(opt, mode="reduce_scatter" if name == "overlap" else name)
         inner = run.sharding.gather_parameters
 
         def timed_gather() -> None:  # Muon.step calls it through the instance: time it apart
@@ -132,7 +138,7 @@ def _build(name: str, s: Settings) -> _Run:
             run.gather_s += time.perf_counter() - start
 
         run.sharding.gather_parameters = timed_gather  # type: ignore[method-assign]
-    if name == "reduce_scatter":
+    if name in ("reduce_scatter", "overlap"):
         ids = {id(p) for p in run.sharding.params}
         names = [n for n, p in model.named_parameters() if id(p) in ids]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
@@ -141,6 +147,9 @@ def _build(name: str, s: Settings) -> _Run:
     run.model = DistributedDataParallel(model)
     run.hook = _HookState(s.world_size)
     run.model.register_comm_hook(run.hook, _all_reduce_hook)
+    if name == "overlap":  # as MuonDDPStrategy(overlap=True) sets it up
+        ddp = run.model
+        run.sharding.overlap_with_backward(lambda: ddp.require_backward_grad_sync)
     return run
 
 
@@ -194,6 +203,29 @@ def _timed_step(run: _Run, ns: NSCounter, barrier: bool, device: str = "cpu") ->
     run.times["cpu"].append(end_cpu - start_cpu)
 
 
+def _timed_train_step(run: _Run, s: Settings, step: int, lo: int, hi: int) -> None:
+    """A whole training step; times forward + backward, and the end of backward to the end of the step.
+
+    Plain DDP's backward returns once its bucket all-reduces are done; ``reduce_scatter``
+    then sends the Muon gradients in one all-to-all; ``overlap`` sent them from backward's
+    hooks and only waits. Newton-Schulz, the update and the gather come after in all three.
+    """
+    run.optimizer.zero_grad(set_to_none=True)
+    x, y = char_batch(s, step, lo, hi)
+    dist.barrier()  # ranks start together: the slowest rank's time is the step's time
+    sync(s.device)
+    start = time.perf_counter()
+    CharGPT.loss(run.model(x), y).backward()
+    sync(s.device)
+    backward_end = time.perf_counter()
+    if run.sharding is not None:
+        run.sharding.reduce_gradients()
+    run.optimizer.step()
+    sync(s.device)
+    run.times["backward"].append(backward_end - start)
+    run.times["after_backward"].append(time.perf_counter() - backward_end)
+
+
 def _rank_main(rank: int, w: int, s: Settings) -> dict[str, Any]:
     wire, ns = WireCounter(rank, w, WIRE_OPS), NSCounter(s.device)
     wire.install()
@@ -231,6 +263,8 @@ def _rank_main(rank: int, w: int, s: Settings) -> dict[str, Any]:
             idle_wall += time.perf_counter() - start_wall
         for run in runs.values():
             _timed_step(run, ns, barrier=True, device=s.device)
+        for run in runs.values():
+            _timed_train_step(run, s, len(run.times["backward"]), rank * s.batch, (rank + 1) * s.batch)
     everything = [*single_times.values(), *(run.times for run in runs.values())]
     for series in (values for times in everything for values in times.values()):
         del series[: min(s.warmup, len(series) - 1)]

@@ -16,8 +16,9 @@ from harness import RankSettings, cell, slowest_rank_median, table, target, verd
 from lightning_muon.distributed.comm import all_reduce_bytes
 
 # The W-rank configurations, each run on the same W processes: plain DDP (every gradient
-# all-reduced, every rank orthogonalizes every matrix) and MuonSharding's two modes.
-CONFIGS = ("ddp", "reduce_scatter", "all_gather")
+# all-reduced, every rank orthogonalizes every matrix), MuonSharding's two modes, and
+# reduce_scatter with the Muon gradients sent from backward's hooks (overlap).
+CONFIGS = ("ddp", "reduce_scatter", "all_gather", "overlap")
 
 # Targets (benchmarks/README.md, "bench_ddp.py").
 FLOPS_SLACK = 1.1  # busiest rank's Newton-Schulz FLOPs <= FLOPS_SLACK / W of the total
@@ -83,6 +84,8 @@ def summarize(s: Settings, ranks: list[dict[str, Any]]) -> dict[str, Any]:
             "cpu_s": cpu,
             "ratio_to_single": step / base["step"],
             "cpu_ratio_to_single": cpu / base["cpu"],
+            "backward_s": slowest_rank_median(ranks, c, "backward"),
+            "after_backward_s": slowest_rank_median(ranks, c, "after_backward"),
             **{
                 f"per_rank_{k}_s": [statistics.median(r["configs"][c]["times_s"][k]) for r in ranks]
                 for k in ("step", "reduce", "ns", "gather", "cpu")
@@ -101,6 +104,10 @@ def summarize(s: Settings, ranks: list[dict[str, Any]]) -> dict[str, Any]:
         # core per rank its time matches the single process, and the excess measures the load.
         "contention": per_config["ddp"]["step_s"] / base["step"],
         "ratio_to_ddp": per_config["reduce_scatter"]["step_s"] / per_config["ddp"]["step_s"],
+        # The same training step, Muon gradients sent from backward's hooks against after backward.
+        "after_backward_overlap_over_reduce_scatter": (
+            per_config["overlap"]["after_backward_s"] / per_config["reduce_scatter"]["after_backward_s"]
+        ),
         "idle_cpu_fraction": [r["idle_cpu_fraction"] for r in ranks[1:]],
     }
     targets = [
@@ -239,6 +246,16 @@ def print_report(s: Settings, ranks: list[dict[str, Any]], summary: dict[str, An
         "reduce = reduce_gradients (Muon grads to owners; plain DDP does this in backward); NS = orthogonalize_many; "
         "gather = gather_parameters; rest = momentum, update, AdamW, checks"
         + ("; CPU = CPU time of the step" if cpu else "; times synchronized with the GPU")
+    )
+    print("\n== whole training step, ms: forward + backward, and end of backward to end of step (slowest rank) ==")
+    rows = [
+        [c, times["per_config"][c]["backward_s"] * 1e3, times["per_config"][c]["after_backward_s"] * 1e3]
+        for c in CONFIGS
+    ]
+    print(table(["run", "forward + backward", "after backward"], rows))
+    print(
+        "after backward: reduce_scatter sends the Muon gradients then; overlap sent them from backward's hooks "
+        f"and waits; overlap / reduce_scatter = {times['after_backward_overlap_over_reduce_scatter']:.3f}"
     )
     idle = [f for f in times["idle_cpu_fraction"] if f is not None]
     print(

@@ -36,6 +36,7 @@ Usage::
     python benchmarks/scale_model.py --set inter_gbps=25 --set ns_fraction=0.4
     python benchmarks/scale_model.py --module lightning_muon_demo.models.CharGPT --init-args '{"n_embd": 256}'
     python benchmarks/scale_model.py --profile this-cpu               # measures this host first
+    python benchmarks/scale_model.py --worlds 64 1024 --sweep-group-sizes 1 2 4 8 16 32
 """
 
 from __future__ import annotations
@@ -488,11 +489,11 @@ def ready_order(shapes: ModelShapes, backward_s: float) -> list[tuple[str, int, 
     return out
 
 
-def buckets(sizes: list[float], cap_bytes: float) -> list[list[int]]:
-    """DDP's bucketing of gradients of ``sizes`` bytes, in ready order: a bucket closes once it holds
-    at least its limit, 1 MiB for the first (``dist._DEFAULT_FIRST_BUCKET_BYTES``), ``cap_bytes`` after."""
+def buckets(sizes: list[float], cap_bytes: float, first_bytes: float = 1024**2) -> list[list[int]]:
+    """Bucketing of gradients of ``sizes`` bytes, in ready order: a bucket closes once it holds at least
+    its limit, ``first_bytes`` for the first (DDP's ``dist._DEFAULT_FIRST_BUCKET_BYTES``), ``cap_bytes`` after."""
     out: list[list[int]] = [[]]
-    size, limit = 0.0, float(1024**2)
+    size, limit = 0.0, float(first_bytes)
     for i, nbytes in enumerate(sizes):
         out[-1].append(i)
         size += nbytes
@@ -598,7 +599,9 @@ def predict(shapes: ModelShapes, p: Profile, world: int, group_size: int, tokens
         if name == "muon_ddp_groups":
             # Overlap: Muon gradients leave in buckets as backward makes them, through the same channel.
             muon_items = [it for it in items if it[2]]
-            groups = buckets([n * eb for _, n, _, _ in muon_items], p.bucket_mb * 1024**2)
+            # OverlappedReduce's buckets: every one up to bucket_mb (no smaller first bucket).
+            cap = p.bucket_mb * 1024**2
+            groups = buckets([n * eb for _, n, _, _ in muon_items], cap, first_bytes=cap)
             per_bucket = [
                 (
                     muon_items[b[-1]][3],
@@ -880,6 +883,30 @@ def print_targets(results: dict) -> None:
     print(f"(ms: ours/plain DDP) {met} of {len(results) * len(worlds)} met")
 
 
+def group_sweep(presets: dict[str, ModelShapes], p: Profile, worlds: tuple[int, ...], sizes: list[int]) -> dict:
+    """``muon_ddp`` (owner groups + overlap) per step at each owner_group_size: ms, inter-node GB per rank."""
+    out: dict = {}
+    for key, shapes in presets.items():
+        for W in worlds:
+            row = {}
+            for S in sizes:
+                if W % S == 0:
+                    r = predict(shapes, p, W, S, p.tokens_per_rank)
+                    ours = r["muon_ddp_groups_overlap"]
+                    row[S] = {"ms": ours["overhead_s"] * 1e3, "inter_gb": ours["inter_bytes"] / 1e9}
+            row["plain_ddp_ms"] = r["ddp_replicated"]["overhead_s"] * 1e3
+            out.setdefault(key, {})[W] = row
+    print("\n== owner_group_size sweep: muon_ddp (groups + overlap) ms per step (inter-node GB per rank) ==")
+    print(f"{'preset':<12} {'W':>5} {'plain DDP':>10} " + "".join(f"{f'S={S}':>16}" for S in sizes))
+    for key, per_world in out.items():
+        for W, row in per_world.items():
+            cells = "".join(
+                f"{row[S]['ms']:>8.1f} ({row[S]['inter_gb']:.2f})" if S in row else f"{'-':>16}" for S in sizes
+            )
+            print(f"{key:<12} {W:>5} {row['plain_ddp_ms']:>10.1f} {cells}")
+    return out
+
+
 def plot(results: dict, path: Path) -> None:
     import matplotlib
 
@@ -923,6 +950,9 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--worlds", type=int, nargs="+", default=list(WORLDS), help="world sizes (default 8..1024)")
     parser.add_argument("--ranks-per-node", type=int, default=None, help="GPUs per node (default: the profile's, 8)")
     parser.add_argument("--group-size", type=int, default=None, help="owner_group_size S (default: ranks per node)")
+    parser.add_argument(
+        "--sweep-group-sizes", type=int, nargs="*", default=None, help="also print muon_ddp at each of these S"
+    )
     parser.add_argument("--tokens", type=float, default=None, help="tokens per rank per step (default 16384)")
     parser.add_argument("--profile", choices=("h100", "this-cpu", "this-gpu"), default="h100")
     parser.add_argument(
@@ -972,8 +1002,12 @@ def main(argv: list[str] | None = None) -> int:
     start = time.perf_counter()
     results = run_model(presets, profile, tuple(args.worlds), args.group_size, tuple(args.tp_degrees))
     print_tables(results, profile, profile.tokens_per_rank)
+    sweep = None
+    if args.sweep_group_sizes:
+        sweep = group_sweep(presets, profile, tuple(args.worlds), args.sweep_group_sizes)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
+        "group_sweep": sweep,
         "profile": {"name": profile.name, "values": profile.values, "sources": profile.sources},
         "group_size": args.group_size,
         "results": _jsonable(results),

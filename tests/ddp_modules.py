@@ -84,9 +84,12 @@ class TinyRegressor(MuonModuleMixin, pl.LightningModule):
         if self.hparams.dump_dir is None:
             return
         scaler = getattr(self.trainer.precision_plugin, "scaler", None)
+        shardings = getattr(self.trainer.strategy, "shardings", [])
         result = {
             "params": {n: p.detach().clone() for n, p in self.named_parameters()},
             "scale": None if scaler is None else float(scaler.get_scale()),
+            # Bytes each collective of the Muon sharding sent from this rank, over the fit.
+            "comm": dict(shardings[0].stats.bytes) if shardings else {},
         }
         torch.save(result, Path(self.hparams.dump_dir) / f"rank{self.global_rank}.pt")
 

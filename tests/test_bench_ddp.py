@@ -13,7 +13,7 @@ from lightning_muon.distributed.comm import all_reduce_bytes
 pytestmark = pytest.mark.distributed
 
 ROOT = Path(__file__).resolve().parents[1]
-CONFIGS = ("ddp", "reduce_scatter", "all_gather")
+CONFIGS = ("ddp", "reduce_scatter", "all_gather", "overlap")
 
 
 @pytest.fixture(scope="module")
@@ -69,7 +69,7 @@ def test_bytes_agree_between_counters(run):
     assert report["bytes"]["ddp_measured"] == pytest.approx(all_reduce_bytes(numel["total"], 4, world))
     assert conf["ddp"]["per_rank_ddp_buckets"] == pytest.approx(conf["ddp"]["per_rank"])
     non_muon = all_reduce_bytes(numel["non_muon"], 4, world)
-    for config in ("reduce_scatter", "all_gather"):
+    for config in ("reduce_scatter", "all_gather", "overlap"):
         c = conf[config]
         for wire, buckets, muon in zip(c["per_rank"], c["per_rank_ddp_buckets"], c["per_rank_muon_path"]):
             assert wire == pytest.approx(buckets + sum(muon.values()))

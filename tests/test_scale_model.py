@@ -3,23 +3,17 @@
 from __future__ import annotations
 
 import json
-import sys
-from pathlib import Path
 
+import bench_ddp
+import bench_fsdp
 import pytest
+import scale_model as sm
 import torch
 from dist_utils import run_distributed
+from harness import char_gpt
 
 from lightning_muon.distributed.comm import all_reduce_bytes
 from lightning_muon.newton_schulz import resolve_ns_dtype
-
-ROOT = Path(__file__).resolve().parents[1]
-sys.path.insert(0, str(ROOT / "benchmarks"))
-
-import bench_ddp  # noqa: E402
-import bench_fsdp  # noqa: E402
-import scale_model as sm  # noqa: E402
-from harness import char_gpt  # noqa: E402
 
 TINY = dict(quick=True, threads=1, n_layer=1, n_embd=16, n_head=2, block_size=8, batch=1, warmup=0, steps=1)
 
@@ -51,9 +45,12 @@ def assert_ddp_counts(s: bench_ddp.Settings, ranks: list[dict]) -> None:
     assert len(ranks) == len(counts) == world
     for rank, (d, mod) in enumerate(zip(ranks, counts)):
         rs = d["reduce_scatter"]
-        # muon_ddp today: MuonSharding's own counts and DDP's bucket hook, one by one.
+        # muon_ddp today: MuonSharding's own counts and DDP's bucket hook, one by one; the
+        # same with the gradients sent in buckets from backward's hooks.
         for op in ("reduce_scatter", "all_gather", "nonfinite_flag"):
             assert rs["muon_path_bytes_per_step"].get(op, 0.0) == pytest.approx(mod["bytes"].get(op, 0.0)), (rank, op)
+            overlap = d["overlap"]["muon_path_bytes_per_step"].get(op, 0.0)
+            assert overlap == pytest.approx(mod["bytes"].get(op, 0.0)), (rank, op)
         assert rs["ddp_bucket_bytes_per_step"] == pytest.approx(mod["bytes"]["ddp_buckets"])
         assert sum(rs["wire_bytes_per_step"].values()) == pytest.approx(mod["intra"] + mod["inter"])
         assert mod["inter"] == 0.0

@@ -11,6 +11,16 @@ same P elements, and for balanced owners ``2 (W - 1) / W * P`` in general.
 
 In ``all_gather`` mode DDP all-reduces everything as usual; owners still split the
 Newton-Schulz work and share their results (+50% traffic; a fallback and a baseline).
+
+Owner groups (``owner_group_size=S``, HSDP's pattern): ranks ``[g S, (g + 1) S)`` form
+group g, and every group holds the same plan over its S ranks. The all-to-all to owners and
+the all-gather of results stay inside the group (a node, by default); each owner's summed
+gradients are then all-reduced with the same local rank of every other group
+(``reduce_across``: one peer per node). Per rank that is ``2 (W/S - 1) / (W/S) * P / S``
+inter-node, plain DDP's share, instead of an all-to-all across every node, and no rank
+idles while S stays below the number of matrices. ``S = W`` is the single-group design.
+With ``overlap_with_backward`` the reduce leaves in buckets from backward's hooks
+(``OverlappedReduce``); ``reduce_gradients`` then waits for it.
 """
 
 from __future__ import annotations
@@ -19,9 +29,11 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_muon.distributed.comm import CommStats, all_to_all_v
+from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
+from lightning_muon.distributed.overlap import OverlappedReduce
 from lightning_muon.distributed.planning import plan_ownership
 from lightning_muon.distributed.protocol import Sharding
+from lightning_muon.functional import all_finite
 from lightning_muon.newton_schulz import DTYPES, dtype_name
 
 __all__ = ["MODES", "MuonSharding"]
@@ -37,18 +49,38 @@ class MuonSharding(Sharding):
         mode: ``"reduce_scatter"`` or ``"all_gather"`` (module docstring).
         group: the process group (None: the default group).
         stats: where bytes and calls are counted; a new ``CommStats`` by default.
+        owner_group_size: S, ranks per owner group; must divide the world size (None: one
+            group of every rank). Every rank must construct it (it creates the subgroups).
     """
 
-    def __init__(self, optimizer, mode: str = "reduce_scatter", group=None, stats: CommStats | None = None) -> None:
+    def __init__(
+        self,
+        optimizer,
+        mode: str = "reduce_scatter",
+        group=None,
+        stats: CommStats | None = None,
+        owner_group_size: int | None = None,
+    ) -> None:
         if mode not in MODES:
             raise ValueError(f"mode must be one of {MODES}, got {mode!r}")
         self.mode = mode
         world_size = dist.get_world_size(group)
+        size = world_size if owner_group_size is None else owner_group_size
+        if isinstance(size, bool) or not isinstance(size, int) or size < 1 or world_size % size:
+            raise ValueError(
+                f"owner_group_size must be a positive int that divides the world size {world_size}, "
+                f"got {owner_group_size!r}"
+            )
+        self.group_size = size
+        self.local_rank = dist.get_rank(group) % size
+        """This rank's place in its owner group: what the plan's owners are numbered by."""
+        self.owner_group, self.peer_group = owner_groups(group, world_size, size)
+        self._overlap: OverlappedReduce | None = None
         groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
         params = [p for g in groups for p in g["params"]]
         plan = plan_ownership(
             [p.shape for p in params],
-            world_size,
+            size,  # every group holds the same plan over its S ranks
             split_sizes=[g["split_sizes"] for g in groups for _ in g["params"]],
             batched=[g["batched"] for g in groups for _ in g["params"]],
             transposed=[g["transposed"] for g in groups for _ in g["params"]],
@@ -66,8 +98,14 @@ class MuonSharding(Sharding):
             buf = self._buffers[name] = like.new_empty(numel)
         return buf
 
+    def owns(self, p: Tensor) -> bool:
+        """True when this rank steps ``p``: its group's owner of the matrix, or ``p`` is not a Muon parameter."""
+        owner = self.owner(p)
+        return owner is None or owner == self.local_rank
+
     def _by_owner(self) -> list[list[Tensor]]:
-        return [[self.params[i] for i in self.plan.owned(r)] for r in range(self.world_size)]
+        """Muon parameters by owner, local rank 0 to S - 1 of this rank's group."""
+        return [[self.params[i] for i in self.plan.owned(r)] for r in range(self.group_size)]
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -83,6 +121,10 @@ class MuonSharding(Sharding):
         if self.mode != "reduce_scatter" or not self.params:
             self.agree_finite()
             return
+        if self._overlap is not None:
+            self._assign(self._overlap.finish())  # the buckets sent from backward's hooks
+            return
+        S = self.group_size
         by_owner = self._by_owner()
         dtype = self.params[0].dtype
         pieces, send_counts = [], []
@@ -92,31 +134,62 @@ class MuonSharding(Sharding):
             flags = torch.tensor([p.grad is not None for p in owned], dtype=dtype, device=self.params[0].device)
             pieces += [*flat, flags]
             send_counts.append(sum(p.numel() for p in owned) + len(owned))
-        mine = by_owner[self.rank]
+        mine = by_owner[self.local_rank]
         size = sum(p.numel() for p in mine) + len(mine)
         ref = self.params[0].detach()
         send = torch.cat(pieces, out=self._buffer("reduce_send", sum(send_counts), ref))
         # The owned gradients below are views of this buffer, until the next reduce refills it.
-        recv = self._buffer("reduce_recv", size * self.world_size, ref)
-        all_to_all_v(send, send_counts, [size] * self.world_size, self.group, self.stats, "reduce_scatter", out=recv)
-        rows = recv.view(self.world_size, size)  # (W, size): what each rank sent this one
-        total = rows[0]
-        for row in rows[1:]:
+        recv = self._buffer("reduce_recv", size * S, ref)
+        all_to_all_v(send, send_counts, [size] * S, self.owner_group, self.stats, "reduce_scatter", out=recv)
+        view = recv.view(S, size)  # (S, size): what each rank of the group sent this one
+        total = view[0]
+        for row in view[1:]:
             total.add_(row)  # summed in place, in rank order
-        grads, flags = total[: size - len(mine)], total[size - len(mine) :]
-        grads.div_(self.world_size)
-        offset = 0
-        for p, flag in zip(mine, flags.tolist()):
-            n = p.numel()
-            p.grad = grads[offset : offset + n].view_as(p).to(p.dtype) if flag > 0 else None
-            offset += n
-        for owned in by_owner:
-            if owned is not mine:
-                for p in owned:
-                    p.grad = None
-        # The owned Muon gradients in one pass over the flat buffer (absent ones are zeros
-        # there), with every other gradient this rank's step reads.
-        self.agree_finite([grads, *self._replicated_grads()])
+        if self.peer_group is not None and total.numel():
+            all_reduce_(total, group=self.peer_group, stats=self.stats, name="reduce_across")
+        self._assign([(mine, total)])
+
+    def _assign(self, summed: list[tuple[list[Tensor], Tensor]]) -> None:
+        """Owned gradients become views of each summed buffer (grads, then flags); other Muon gradients are dropped.
+
+        Under overlap a gradient left from backward's hook before anything after backward (a
+        user's hook, an injected fault) could change it. A local gradient that has since
+        become non-finite is kept, not dropped, and joins the finiteness agreement: AMP's
+        scaler and ``Muon``'s check then skip or raise on every rank alike.
+        """
+        owned_grads = []
+        for mine, total in summed:
+            grads, flags = total[: total.numel() - len(mine)], total[total.numel() - len(mine) :]
+            grads.div_(self.world_size)
+            owned_grads.append(grads)
+            offset = 0
+            for p, flag in zip(mine, flags.tolist()):
+                n = p.numel()
+                p.grad = grads[offset : offset + n].view_as(p).to(p.dtype) if flag > 0 else None
+                offset += n
+        kept = []
+        for p in self.params:
+            if self.owns(p) or p.grad is None:
+                continue
+            if self._overlap is not None and self.optimizer.nonfinite != "ignore" and not all_finite([p.grad]):
+                kept.append(p.grad)
+            else:
+                p.grad = None
+        # The owned Muon gradients in one pass per buffer (absent ones are zeros there), with
+        # every other gradient this rank's step reads.
+        self.agree_finite([*owned_grads, *kept, *self._replicated_grads()])
+
+    def overlap_with_backward(self, should_sync, bucket_cap_mb: float = 25.0) -> None:
+        """Send Muon gradients to their owners from backward's hooks, in buckets (``OverlappedReduce``).
+
+        ``should_sync()`` says whether the running backward is the one to reduce (a DDP
+        module's ``require_backward_grad_sync``: False under ``no_sync``). Every rank must call
+        it (it creates a process group). ``reduce_gradients`` then waits for the buckets.
+        """
+        if self.mode != "reduce_scatter":
+            raise ValueError(f"overlap needs mode='reduce_scatter' (DDP reduces everything in {self.mode!r} mode)")
+        if self._overlap is None and self.params:
+            self._overlap = OverlappedReduce(self, should_sync, bucket_cap_mb)
 
     def _replicated_grads(self) -> list[Tensor]:
         """Gradients of this optimizer's other parameters (AdamW, Lion: replicated on every rank)."""
@@ -130,24 +203,24 @@ class MuonSharding(Sharding):
 
     @torch.no_grad()
     def gather_parameters(self) -> None:
-        """Send every owner's Muon parameters to all other ranks (after the owners stepped)."""
-        if self.world_size == 1 or not self.params:
+        """Send every owner's Muon parameters to the other ranks of its group (after the owners stepped)."""
+        if self.group_size == 1 or not self.params:
             return
         by_owner = self._by_owner()
-        mine = by_owner[self.rank]
+        mine = by_owner[self.local_rank]
         ref = self.params[0].detach()
         sizes = [sum(p.numel() for p in owned) for owned in by_owner]
-        blob = self._buffer("gather_send", sizes[self.rank], ref)
+        blob = self._buffer("gather_send", sizes[self.local_rank], ref)
         if mine:
             torch.cat([p.detach().reshape(-1) for p in mine], out=blob)
-        send_counts = [0 if r == self.rank else blob.numel() for r in range(self.world_size)]
-        recv_counts = [0 if r == self.rank else sizes[r] for r in range(self.world_size)]
-        send = blob if self.world_size == 2 else torch.cat([blob] * (self.world_size - 1))
+        send_counts = [0 if r == self.local_rank else blob.numel() for r in range(self.group_size)]
+        recv_counts = [0 if r == self.local_rank else sizes[r] for r in range(self.group_size)]
+        send = blob if self.group_size == 2 else torch.cat([blob] * (self.group_size - 1))
         recv = self._buffer("gather_recv", sum(recv_counts), ref)
-        all_to_all_v(send, send_counts, recv_counts, self.group, self.stats, name="all_gather", out=recv)
+        all_to_all_v(send, send_counts, recv_counts, self.owner_group, self.stats, name="all_gather", out=recv)
         offset = 0
         for r, owned in enumerate(by_owner):
-            if r == self.rank:
+            if r == self.local_rank:
                 continue
             for p in owned:
                 n = p.numel()
@@ -161,21 +234,22 @@ class MuonSharding(Sharding):
         Every entry travels: momentum and whatever else a variant keeps (second moments of
         any shape, step counters). The owners first share which entries they hold (keys,
         shapes, dtypes: a few bytes per parameter), then the tensors in one all-to-all.
-        Every rank must call it (checkpoint saving does, on all ranks).
+        Every group holds every matrix's state, so this stays inside the owner group. Every
+        rank must call it (checkpoint saving does, on all ranks).
         """
         by_owner = self._by_owner()
-        mine = by_owner[self.rank]
+        mine = by_owner[self.local_rank]
         local = [self.optimizer.state.get(p, {}) for p in mine]
         # (key, shape, dtype name) per tensor entry; other values (plain numbers) go as they are.
         layout = [
             {k: (tuple(v.shape), dtype_name(v.dtype)) if isinstance(v, Tensor) else ("value", v) for k, v in st.items()}
             for st in local
         ]
-        layouts: list = [None] * self.world_size
-        if self.world_size == 1:
+        layouts: list = [None] * self.group_size
+        if self.group_size == 1:
             layouts = [layout]
         else:
-            dist.all_gather_object(layouts, layout, group=self.group)
+            dist.all_gather_object(layouts, layout, group=self.owner_group)
         dtypes = {d for lay in layouts for entry in lay for d in _tensor_dtypes(entry)}
         # float64 carries every float32/bf16/fp16 value and integer counters below 2**53 exactly.
         wire = torch.float64 if dtypes - {"float32", "bfloat16", "float16"} else torch.float32
@@ -189,21 +263,21 @@ class MuonSharding(Sharding):
         ]
         blob = torch.cat(tensors) if tensors else torch.empty(0, dtype=wire, device=device)
         sizes = [sum(_numel(shape) for entry in lay for shape in _tensor_shapes(entry)) for lay in layouts]
-        if self.world_size == 1:
+        if self.group_size == 1:
             parts = [blob]
         else:
-            send_counts = [0 if r == self.rank else blob.numel() for r in range(self.world_size)]
-            recv_counts = [0 if r == self.rank else sizes[r] for r in range(self.world_size)]
+            send_counts = [0 if r == self.local_rank else blob.numel() for r in range(self.group_size)]
+            recv_counts = [0 if r == self.local_rank else sizes[r] for r in range(self.group_size)]
             recv = all_to_all_v(
-                torch.cat([blob] * (self.world_size - 1)),
+                torch.cat([blob] * (self.group_size - 1)),
                 send_counts,
                 recv_counts,
-                self.group,
+                self.owner_group,
                 self.stats,
                 "gather_state",
             )
-            chunks = iter(recv.split([recv_counts[r] for r in range(self.world_size) if r != self.rank]))
-            parts = [blob if r == self.rank else next(chunks) for r in range(self.world_size)]
+            chunks = iter(recv.split([recv_counts[r] for r in range(self.group_size) if r != self.local_rank]))
+            parts = [blob if r == self.local_rank else next(chunks) for r in range(self.group_size)]
         out: dict[int, dict[str, object]] = {}
         for owned, lay, part in zip(by_owner, layouts, parts):
             offset = 0
@@ -224,6 +298,33 @@ class MuonSharding(Sharding):
         for p in self.params:
             if not self.owns(p):
                 self.optimizer.state.pop(p, None)
+
+
+def owner_groups(group, world_size: int, size: int, fresh: bool = False):
+    """(this rank's owner group, its peer group across groups or None) for groups of ``size`` ranks.
+
+    Every rank creates every subgroup, in the same order, as ``torch.distributed.new_group``
+    requires. With one group (``size == world_size``) the owner group is ``group`` itself,
+    unless ``fresh`` asks for a new one (and then no peer group is made).
+    """
+    if size == world_size and not fresh:
+        return group, None
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
+    me = ranks[dist.get_rank(group)]
+    mine = peers = None
+    for g in range(world_size // size):
+        members = ranks[g * size : (g + 1) * size]
+        created = dist.new_group(members)
+        if me in members:
+            mine = created
+    if fresh:
+        return mine, None
+    for local in range(size):
+        members = ranks[local::size]
+        created = dist.new_group(members)
+        if me in members:
+            peers = created
+    return mine, peers
 
 
 def _tensor_shapes(entry: dict) -> list[tuple[int, ...]]:

@@ -40,15 +40,46 @@ class MuonDDPStrategy(DDPStrategy):
     Gradient clipping by norm uses the global norm over the sharded gradients. The
     optimizer state in checkpoints holds every matrix's momentum, whichever rank owns it,
     so a checkpoint resumes at any world size.
+
+    Args:
+        muon_mode: ``"reduce_scatter"`` or ``"all_gather"``.
+        owner_group_size: S, ranks per owner group (HSDP's pattern): the Muon gradients are
+            reduced onto owners inside each group of S consecutive ranks, each owner's sum is
+            all-reduced with its peers in the other groups, and the results are gathered
+            inside the group. Default: the devices per node (one group per node); the world
+            size gives one group over every rank. Must divide the world size.
+        overlap: send Muon gradients to their owners from backward's hooks, in buckets, on
+            the micro-batch that ends an accumulation (``reduce_scatter`` mode); the step
+            waits for them. False: one all-to-all after backward.
+        bucket_cap_mb: bucket size for ``overlap``.
     """
 
     strategy_name = "muon_ddp"
 
-    def __init__(self, *args: Any, muon_mode: str = "reduce_scatter", **kwargs: Any) -> None:
+    def __init__(
+        self,
+        *args: Any,
+        muon_mode: str = "reduce_scatter",
+        owner_group_size: int | None = None,
+        overlap: bool = True,
+        bucket_cap_mb: float = 25.0,
+        **kwargs: Any,
+    ) -> None:
         if muon_mode not in MODES:
             raise ValueError(f"muon_mode must be one of {MODES}, got {muon_mode!r}")
+        if owner_group_size is not None and (
+            isinstance(owner_group_size, bool) or not isinstance(owner_group_size, int) or owner_group_size < 1
+        ):
+            raise ValueError(f"owner_group_size must be a positive int or None, got {owner_group_size!r}")
+        if not isinstance(overlap, bool):
+            raise ValueError(f"overlap must be True or False, got {overlap!r}")
+        if isinstance(bucket_cap_mb, bool) or not isinstance(bucket_cap_mb, (int, float)) or not bucket_cap_mb > 0:
+            raise ValueError(f"bucket_cap_mb must be a positive number, got {bucket_cap_mb!r}")
         super().__init__(*args, **kwargs)
         self.muon_mode = muon_mode
+        self.owner_group_size = owner_group_size
+        self.overlap = overlap
+        self.bucket_cap_mb = float(bucket_cap_mb)
         self._optimizers_ready = False
 
     @property
@@ -60,9 +91,15 @@ class MuonDDPStrategy(DDPStrategy):
         # ignore before it wraps the model.
         super().setup_optimizers(self.lightning_module.trainer)
         self._optimizers_ready = True
+        size = self.owner_group_size or self.num_processes  # default: one group per node
+        if self.world_size % size:
+            raise ValueError(
+                f"owner_group_size={size} must divide the world size {self.world_size} "
+                f"({self.num_nodes} node(s) x {self.num_processes} device(s))"
+            )
         for optimizer in self.optimizers:
             if isinstance(optimizer, Muon) and any(g["algorithm"] == "muon" for g in optimizer.param_groups):
-                MuonSharding(optimizer, mode=self.muon_mode)
+                MuonSharding(optimizer, mode=self.muon_mode, owner_group_size=size)
         if self.muon_mode == "reduce_scatter" and self.shardings:
             ids = {id(p) for s in self.shardings for p in s.params}
             names = [n for n, p in self.model.named_parameters() if id(p) in ids]
@@ -74,6 +111,11 @@ class MuonDDPStrategy(DDPStrategy):
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
             self._share_overflows()
         super().configure_ddp()
+        if self.overlap and self.muon_mode == "reduce_scatter":
+            ddp = self.model
+            for s in self.shardings:
+                # False inside DDP's no_sync (micro-batches that only accumulate).
+                s.overlap_with_backward(lambda: ddp.require_backward_grad_sync, self.bucket_cap_mb)
 
     def _share_overflows(self) -> None:
         """Give a GradScaler torch's ``ShardedGradScaler``: every rank then skips an overflowing step alike.
@@ -121,7 +163,8 @@ class MuonDDPStrategy(DDPStrategy):
         for p in params:
             squares[0 if id(p) in sharded else 1] += p.grad.detach().float().pow(2).sum()
         own = squares[:1].clone()
-        all_reduce_(own, group=sharding.group, stats=sharding.stats, name="clip_norm")
+        # Each group holds every owned gradient once: the sum over one group is the whole norm.
+        all_reduce_(own, group=sharding.owner_group, stats=sharding.stats, name="clip_norm")
         total_norm = (own[0] + squares[1]).sqrt()
         coef = torch.clamp(clip_val / (total_norm + 1e-6), max=1.0)
         torch._foreach_mul_([p.grad for p in params], coef.to(device))
