@@ -107,9 +107,7 @@ class _Run:
     """MuonSharding's own byte counts over the counted steps (its stats keep counting later)."""
     gather_s: float = 0.0
     times: dict[str, list[float]] = field(
-        default_factory=lambda: {
-            k: [] for k in ("step", "reduce", "ns", "gather", "cpu", "backward", "after_backward")
-        }
+        default_factory=lambda: {k: [] for k in ("step", "reduce", "ns", "gather", "cpu", "backward", "after_backward")}
     )
     """Seconds per timed step: wall time of the step and of its reduce_gradients, Newton-Schulz
     and gather_parameters parts; CPU time of the step. Of a whole training step: forward +
