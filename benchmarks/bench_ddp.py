@@ -105,6 +105,8 @@ class _Run:
     grads: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     muon_path_bytes: dict[str, float] = field(default_factory=dict)
     """MuonSharding's own byte counts over the counted steps (its stats keep counting later)."""
+    ddp_bucket_bytes: float = 0.0
+    """DDP's comm hook count over the counted steps (the timed training steps add to the hook's)."""
     gather_s: float = 0.0
     times: dict[str, list[float]] = field(
         default_factory=lambda: {k: [] for k in ("step", "reduce", "ns", "gather", "cpu", "backward", "after_backward")}
@@ -169,6 +171,7 @@ def _count(run: _Run, s: Settings, lo: int, hi: int, wire: WireCounter | None, n
         run.optimizer.step()
     if run.sharding is not None:
         run.muon_path_bytes = dict(run.sharding.stats.bytes)
+    run.ddp_bucket_bytes = run.hook.bytes if run.hook is not None else 0.0
     if wire is not None:
         wire.phase = None
     ns.phase = None
@@ -291,7 +294,7 @@ def _rank_main(rank: int, w: int, s: Settings) -> dict[str, Any]:
             run.name: {
                 "wire_bytes_per_step": {k: v / n for k, v in wire.bytes.get(run.name, {}).items()},
                 "wire_calls_per_step": {k: v / n for k, v in wire.calls.get(run.name, {}).items()},
-                "ddp_bucket_bytes_per_step": run.hook.bytes / n,
+                "ddp_bucket_bytes_per_step": run.ddp_bucket_bytes / n,
                 "muon_path_bytes_per_step": {k: v / n for k, v in run.muon_path_bytes.items()},
                 "ns_flops_per_step": ns.flops[run.name] / n,
                 "ns_matrices_per_step": ns.matrices[run.name] / n,
