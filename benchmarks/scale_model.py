@@ -138,15 +138,15 @@ class Matrix:
 
     name: str
     shape: tuple[int, ...]
-    """The shape ``MuonSharding`` plans on (a transposed weight's transpose)."""
+    """The parameter's shape, as the shardings plan on it and FSDP2 shards it."""
     split_sizes: tuple[int, ...] | None = None
     batched: bool = False
-    param_shape: tuple[int, ...] | None = None
-    """The parameter's own shape, as FSDP2 shards it and ``MuonFSDPSharding`` plans on (default ``shape``)."""
+    transposed: bool = False
+    """Stored (fan_in, fan_out): a QKV split cuts dim 1 (``functional.piece_shapes``)."""
 
     @property
     def stored(self) -> tuple[int, ...]:
-        return self.param_shape if self.param_shape is not None else self.shape
+        return self.shape
 
 
 @dataclass(frozen=True)
@@ -202,11 +202,10 @@ def shapes_from_optimizer(name: str, module: torch.nn.Module, optimizer: Any) ->
     muon = [
         Matrix(
             names.get(id(p), "?"),
-            # A transposed (fan_in, fan_out) weight splits along dim 1: plan on its transpose.
-            tuple(p.shape[::-1] if g.get("transposed") else p.shape),
+            tuple(p.shape),
             tuple(g["split_sizes"]) if g.get("split_sizes") else None,
             bool(g.get("batched", False)),
-            tuple(p.shape),
+            bool(g.get("transposed", False)),
         )
         for g in groups
         for p in g["params"]
@@ -308,7 +307,7 @@ def ns_flops_of(m: Matrix, steps: int, method: str, dtype: torch.dtype) -> int:
     """FLOPs ``orthogonalize`` runs for one Muon parameter: each of its matrices with the method it resolves to."""
     return sum(
         ns_flops(r, c, steps, method=resolve_ns_method(method, r, c, dtype))
-        for r, c in matrix_shapes(m.shape, m.split_sizes, m.batched)
+        for r, c in matrix_shapes(m.shape, m.split_sizes, m.batched, m.transposed)
     )
 
 
@@ -321,6 +320,7 @@ def plan_for(shapes: ModelShapes, ranks: int, fsdp: bool = False):
         ranks,
         split_sizes=[m.split_sizes for m in shapes.muon],
         batched=[m.batched for m in shapes.muon],
+        transposed=[m.transposed for m in shapes.muon],
     )
 
 
@@ -419,7 +419,7 @@ def fsdp_counts(
     rows = [shard_rows(m.stored[0], W) for m in shapes.muon]
     cols = [math.prod(m.stored[1:]) for m in shapes.muon]
     flops = [
-        ns_flops_of(replace(m, shape=m.stored, split_sizes=None), ns_steps, ns_method, ns_dtype) for m in shapes.muon
+        ns_flops_of(replace(m, split_sizes=None, transposed=False), ns_steps, ns_method, ns_dtype) for m in shapes.muon
     ]
     everyone = list(range(W))
     check = collective_split(everyone, 0, topo, 24.0, 2.0)
@@ -446,7 +446,7 @@ def fsdp_counts(
         t.add("from_owner", *from_owner, recv=to_owner)
         t.add("step_check", *check)
         blocks = [
-            replace(m, shape=(rows[i][q], *m.stored[1:]), split_sizes=None)
+            replace(m, shape=(rows[i][q], *m.stored[1:]), split_sizes=None, transposed=False)
             for i, m in enumerate(shapes.muon)
             if rows[i][q]
         ]
