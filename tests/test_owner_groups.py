@@ -9,7 +9,7 @@ bytes per link class against the scale model; one 2-rank launch for the overlap'
 from __future__ import annotations
 
 import pytest
-import scale_model as sm
+import scale_counts as sc
 import torch
 import torch.distributed as dist
 from ddp_modules import TinyRegressor
@@ -55,8 +55,8 @@ def test_four_ranks_as_two_groups_of_two_equal_one_process(tmp_path):
     # Bytes per link class, counted by MuonSharding, equal the scale model's with the two
     # groups on two "nodes" of 2: reduce_scatter and all_gather inside, reduce_across between.
     model = TinyRegressor(CONFIG)
-    shapes = sm.shapes_from_optimizer("TinyRegressor", model, Muon(route_parameters(model), lr=0.02))
-    predicted = sm.ddp_counts(shapes, 4, 2, 2, ns_dtype=torch.float32)["ranks"]
+    shapes = sc.shapes_from_optimizer("TinyRegressor", model, Muon(route_parameters(model), lr=0.02))
+    predicted = sc.ddp_counts(shapes, 4, 2, 2, ns_dtype=torch.float32)["ranks"]
     steps = 2  # optimizer steps 3 and 4 ran here
     for rank, (result, pred) in enumerate(zip(results, predicted)):
         comm = result["comm"]

@@ -7,7 +7,10 @@ import json
 import bench_ddp
 import bench_fsdp
 import pytest
+import scale_counts as sc
+import scale_designs as sd
 import scale_model as sm
+import scale_profiles as sp
 import torch
 from dist_utils import run_distributed
 from harness import char_gpt
@@ -37,11 +40,11 @@ def assert_ddp_counts(s: bench_ddp.Settings, ranks: list[dict]) -> None:
     """bench_ddp.py's counted bytes and FLOPs per rank (``configs`` of each rank) equal the scale model's."""
     world = s.world_size
     model = char_gpt(s)
-    shapes = sm.shapes_from_optimizer("CharGPT", model, bench_ddp._optimizer(model))
+    shapes = sc.shapes_from_optimizer("CharGPT", model, bench_ddp._optimizer(model))
     dtype = resolve_ns_dtype(None, "cpu", torch.float32)  # the benchmark's automatic dtype
     # One node of `world` ranks: every byte is intra-node, as on the benchmark's host.
-    counts = sm.ddp_counts(shapes, world, world, world, ns_dtype=dtype)["ranks"]
-    total_flops = sum(sm.ns_flops_of(m, 5, "auto", dtype) for m in shapes.muon)
+    counts = sc.ddp_counts(shapes, world, world, world, ns_dtype=dtype)["ranks"]
+    total_flops = sum(sc.ns_flops_of(m, 5, "auto", dtype) for m in shapes.muon)
     assert len(ranks) == len(counts) == world
     for rank, (d, mod) in enumerate(zip(ranks, counts)):
         rs = d["reduce_scatter"]
@@ -66,10 +69,10 @@ def assert_ddp_counts(s: bench_ddp.Settings, ranks: list[dict]) -> None:
 def assert_fsdp_counts(s: bench_fsdp.Settings, ranks: list[dict]) -> None:
     """bench_fsdp.py's counted Muon bytes and FLOPs per rank, both modes, equal the scale model's."""
     model = char_gpt(s)
-    shapes = sm.shapes_from_optimizer("CharGPT", model, bench_ddp._optimizer(model))
+    shapes = sc.shapes_from_optimizer("CharGPT", model, bench_ddp._optimizer(model))
     itemsize = torch.float32.itemsize if s.ns_dtype == "float32" else None
     assert itemsize is not None, "the counts are compared with Newton-Schulz pinned to float32"
-    counts = sm.fsdp_counts(shapes, s.world_size, s.world_size, wire_bytes=itemsize, ns_dtype=torch.float32)["ranks"]
+    counts = sc.fsdp_counts(shapes, s.world_size, s.world_size, wire_bytes=itemsize, ns_dtype=torch.float32)["ranks"]
     assert len(ranks) == len(counts) == s.world_size
     for rank, (f, mod) in enumerate(zip(ranks, counts)):
         owner = f["owner"]["sharding_bytes_per_step"]
@@ -99,10 +102,10 @@ def test_counts_equal_the_benchmarks(world):
     ],
 )
 def test_presets_reproduce_the_owner_ceiling(preset, expected):
-    shapes = sm.PRESETS[preset]()
+    shapes = sc.PRESETS[preset]()
     assert len(shapes.muon) == {"gpt2-small": 48, "1.3b": 96, "7b": 128}[preset]
     for world, (share, idle) in zip((8, 32, 64, 128, 256, 1024), expected):
-        plan = sm.plan_for(shapes, world)
+        plan = sc.plan_for(shapes, world)
         busiest = max(plan.load(r) for r in range(world))
         assert busiest / (sum(plan.flops) / world) == pytest.approx(share, abs=0.005)
         assert sum(1 for r in range(world) if not plan.owned(r)) == idle
@@ -110,17 +113,17 @@ def test_presets_reproduce_the_owner_ceiling(preset, expected):
 
 def test_collective_split_adds_up_to_the_ring():
     for world, per_node in ((8, 8), (16, 8), (24, 8), (64, 8), (12, 4), (6, 1)):
-        topo = sm.Topology(world, per_node)
+        topo = sc.Topology(world, per_node)
         for factor, flat in ((2.0, all_reduce_bytes(1000, 4, world)), (1.0, all_reduce_bytes(1000, 4, world) / 2)):
-            intra, inter = sm.collective_split(list(range(world)), 3, topo, 4000.0, factor)
+            intra, inter = sc.collective_split(list(range(world)), 3, topo, 4000.0, factor)
             assert intra + inter == pytest.approx(flat)
             assert (inter == 0.0) == (world == per_node)
 
 
 def test_h100_targets_and_owner_groups():
     """Item 4: muon_ddp (groups of 8 + overlap) <= plain DDP with replicated Muon, all presets, W = 8..1024."""
-    profile = sm.h100_profile()
-    results = sm.run_model({k: f() for k, f in sm.PRESETS.items()}, profile, sm.WORLDS, None)
+    profile = sp.h100_profile()
+    results = sm.run_model({k: f() for k, f in sc.PRESETS.items()}, profile, sm.WORLDS, None)
     for key, res in results.items():
         for world, rows in res["worlds"].items():
             assert rows["target"]["passed"], (key, world, rows["target"])
@@ -134,12 +137,12 @@ def test_h100_targets_and_owner_groups():
     gpt2 = results["gpt2-small"]["worlds"]
     assert gpt2[1024]["muon_ddp_today"]["overhead_s"] > 10 * gpt2[8]["muon_ddp_today"]["overhead_s"]
     # Busiest rank's Newton-Schulz <= 1.25 x total / S while S <= matrices / 2.
-    for key, make in sm.PRESETS.items():
+    for key, make in sc.PRESETS.items():
         shapes = make()
-        total = sum(sm.ns_flops_of(m, 5, "auto", torch.bfloat16) for m in shapes.muon)
+        total = sum(sc.ns_flops_of(m, 5, "auto", torch.bfloat16) for m in shapes.muon)
         for size in (2, 4, 8, 16, 32, 64):
             if size <= len(shapes.muon) // 2:
-                ranks = sm.ddp_counts(shapes, size, size, 8)["ranks"]
+                ranks = sc.ddp_counts(shapes, size, size, 8)["ranks"]
                 assert max(r["ns_flops"] for r in ranks) <= 1.25 * total / size, (key, size)
 
 
@@ -157,7 +160,7 @@ def test_cli_writes_table_json_and_png(tmp_path, capsys):
     with pytest.raises(SystemExit, match="unknown profile constant"):
         sm.main(["--preset", "gpt2-small", "--worlds", "8", "--set", "nvlink=1", "--out", str(out)])
     with pytest.raises(ValueError, match="group_size must divide"):
-        sm.ddp_counts(sm.PRESETS["gpt2-small"](), 8, 3, 8)
+        sc.ddp_counts(sc.PRESETS["gpt2-small"](), 8, 3, 8)
 
 
 def test_tensor_parallel_rows_follow_tp_math():
@@ -165,16 +168,16 @@ def test_tensor_parallel_rows_follow_tp_math():
     from lightning_muon.distributed.planning import plan_ownership
     from lightning_muon.distributed.tp_math import TP_MODES, tp_bytes, tp_ns_flops
 
-    shapes = sm.gpt_preset("tiny", 64, 2, 1000, 128, tied=True)
-    assert [sm.tp_split_dim(m) for m in shapes.muon[:4]] == [0, 1, 0, 1]  # qkv, fc1 colwise; proj, fc2 rowwise
-    profile = sm.h100_profile()
-    assert sm.predict_tp(shapes, profile, 32, 16, "duplicated") is None  # wider than a node of 8
+    shapes = sc.gpt_preset("tiny", 64, 2, 1000, 128, tied=True)
+    assert [sd.tp_split_dim(m) for m in shapes.muon[:4]] == [0, 1, 0, 1]  # qkv, fc1 colwise; proj, fc2 rowwise
+    profile = sp.h100_profile()
+    assert sd.predict_tp(shapes, profile, 32, 16, "duplicated") is None  # wider than a node of 8
     plan = plan_ownership([m.stored for m in shapes.muon], 4)  # W = 16, T = 4: D = 4 data-parallel ranks
-    rows = {mode: sm.predict_tp(shapes, profile, 16, 4, mode) for mode in TP_MODES}
+    rows = {mode: sd.predict_tp(shapes, profile, 16, 4, mode) for mode in TP_MODES}
     for mode, row in rows.items():
         sent, flops = [0.0] * 4, [0] * 4
         for m, owner in zip(shapes.muon, plan.owners):
-            split = sm.tp_split_dim(m)
+            split = sd.tp_split_dim(m)
             sent[owner] += tp_bytes(*m.stored, 5, 4, mode, split, 2)
             flops[owner] += tp_ns_flops(*m.stored, 5, 4, mode, split)
         assert row["tp_bytes_busiest"] == max(sent) and row["ns_flops_busiest"] == max(flops)
@@ -183,7 +186,7 @@ def test_tensor_parallel_rows_follow_tp_math():
     assert rows["distributed"]["ns_flops_busiest"] < rows["duplicated"]["ns_flops_busiest"]
     assert rows["distributed"]["tp_bytes_busiest"] > rows["duplicated"]["tp_bytes_busiest"]
     # The CLI's second table: every degree that fits a node, every mode.
-    results = sm.run_model({"tiny": shapes}, profile, (16,), None, sm.TP_DEGREES)
+    results = sm.run_model({"tiny": shapes}, profile, (16,), None, sd.TP_DEGREES)
     assert [(r["tp"], r["tp_mode"]) for r in results["tiny"]["worlds"][16]["tp"]] == [
-        (T, mode) for T in sm.TP_DEGREES for mode in TP_MODES
+        (T, mode) for T in sd.TP_DEGREES for mode in TP_MODES
     ]
