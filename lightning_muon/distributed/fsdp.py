@@ -32,7 +32,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Sequence
+from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
@@ -44,7 +44,7 @@ from lightning_muon.distributed.protocol import Sharding
 from lightning_muon.functional import muon_orthogonalize, piece_shapes
 from lightning_muon.newton_schulz import resolve_ns_dtype
 
-__all__ = ["FSDP_MODES", "MuonFSDPSharding", "shard_rows"]
+__all__ = ["FSDP_MODES", "MuonFSDPSharding", "exchange_with_owners", "shard_rows"]
 
 FSDP_MODES = ("owner", "blockwise")
 
@@ -190,58 +190,35 @@ class MuonFSDPSharding(Sharding):
     def _orthogonalize_by_owner(
         self, params: list[Tensor], updates: list[Tensor], ns_kwargs: dict
     ) -> list[list[Tensor]]:
-        W, rank = self.world_size, self.rank
         batched = ns_kwargs["batched"]
-        owners = [self.plan.owners[self._index[id(p)]] for p in params]
-        shapes = [tuple(u.shape) for u in updates]
-        row_numel = [math.prod(s[1:]) for s in shapes]
-        rows = [shard_rows(s[0], W) for s in shapes]  # rows[i][r]: rows of matrix i on rank r
-        local = [self.local_shard(u) for u in updates]  # (rows[i][rank], ...) each
-        for i, u in enumerate(local):
-            if u.shape[0] != rows[i][rank]:
-                raise RuntimeError(
-                    f"MuonFSDPSharding: a shard of shape {tuple(u.shape)} of a {shapes[i]} tensor on rank {rank}; "
-                    f"expected {rows[i][rank]} rows (torch.chunk blocks of dim 0)"
-                )
-        wire = self._wire_dtype(updates, ns_kwargs.get("ns_dtype"))
-        by_owner = [[i for i in range(len(params)) if owners[i] == r] for r in range(W)]
-        mine = by_owner[rank]
 
-        # 1. Every rank sends its rows of each matrix to the matrix's owner: one flat blob,
-        #    grouped by owner rank, each matrix's rows (rows[i][rank], cols_i) flattened.
-        send = [local[i].reshape(-1) for r in range(W) for i in by_owner[r]]
-        send_counts = [sum(local[i].numel() for i in by_owner[r]) for r in range(W)]
-        recv_counts = [sum(rows[i][s] * row_numel[i] for i in mine) for s in range(W)]
-        blob = torch.cat(send).to(wire) if send else local[0].new_empty(0, dtype=wire)
-        recv = all_to_all_v(blob, send_counts, recv_counts, self.group, self.stats, name="to_owner")
+        def compute(mine: list[int], full: list[Tensor]) -> list[Tensor]:
+            # The owner orthogonalizes all its whole matrices at once.
+            ortho = muon_orthogonalize([f.view(_matrix_shape(f.shape, batched)) for f in full], **ns_kwargs)
+            self._observe(params, updates, mine, full, ortho)
+            return [o[0] for o in ortho]
 
-        # 2. The owner stacks the row blocks of each of its matrices and orthogonalizes them all.
-        blocks: dict[int, list[Tensor]] = {i: [] for i in mine}
-        for chunk, s in zip(recv.split(recv_counts), range(W)):
-            for i, part in zip(mine, _split(chunk, [rows[i][s] * row_numel[i] for i in mine])):
-                blocks[i].append(part)
-        full = [torch.cat(blocks[i]).view(shapes[i]) for i in mine]  # (rows_i, ...) whole matrices
-        ortho = muon_orthogonalize([f.view(_matrix_shape(f.shape, batched)) for f in full], **ns_kwargs)
-        self._observe(params, updates, mine, full, ortho)
+        def place(i: int, piece: Tensor) -> Tensor:
+            return self._as_dtensor(piece.view(_matrix_shape(piece.shape, batched)), updates[i], batched)
 
-        # 3. The owner sends each rank its rows of every result.
-        results = [o[0].reshape(shapes[i][0], -1) for i, o in zip(mine, ortho)]  # (rows_i, row_numel_i)
-        back, back_counts = [], []
-        for r in range(W):
-            for i, res in zip(mine, results):
-                start = sum(rows[i][:r])
-                back.append(res[start : start + rows[i][r]].reshape(-1))
-            back_counts.append(sum(rows[i][r] * row_numel[i] for i in mine))
-        from_counts = [sum(rows[i][rank] * row_numel[i] for i in by_owner[s]) for s in range(W)]
-        blob = torch.cat(back).to(wire) if back else local[0].new_empty(0, dtype=wire)
-        got = all_to_all_v(blob, back_counts, from_counts, self.group, self.stats, name="from_owner")
-
-        out: list[list[Tensor] | None] = [None] * len(params)
-        for chunk, s in zip(got.split(from_counts), range(W)):
-            for i, part in zip(by_owner[s], _split(chunk, [rows[i][rank] * row_numel[i] for i in by_owner[s]])):
-                piece = part.view(local[i].shape).to(updates[i].dtype)
-                out[i] = [self._as_dtensor(piece.view(_matrix_shape(piece.shape, batched)), updates[i], batched)]
-        return out  # type: ignore[return-value]
+        rank = self.rank
+        return exchange_with_owners(
+            [self.local_shard(u) for u in updates],
+            [tuple(u.shape) for u in updates],
+            [self.plan.owners[self._index[id(p)]] for p in params],
+            [u.dtype for u in updates],
+            self._wire_dtype(updates, ns_kwargs.get("ns_dtype")),
+            self.group,
+            rank,
+            self.world_size,
+            self.stats,
+            compute,
+            place,
+            mismatch=lambda i, shard, expected: (
+                f"MuonFSDPSharding: a shard of shape {shard} of a {tuple(updates[i].shape)} tensor on rank {rank}; "
+                f"expected {expected} rows (torch.chunk blocks of dim 0)"
+            ),
+        )
 
     def _as_dtensor(self, local: Tensor, like: Tensor, batched: bool) -> Tensor:
         """A ``Shard(0)`` DTensor with ``local`` as this rank's rows of a matrix shaped like ``like``'s piece."""
@@ -270,6 +247,78 @@ class MuonFSDPSharding(Sharding):
             [f.to(d) for f, d in zip(full, dtypes)],
             [[o.to(d) for o in pieces] for pieces, d in zip(ortho, dtypes)],
         )
+
+
+def exchange_with_owners(
+    local: list[Tensor],
+    shapes: list[tuple[int, ...]],
+    owners: list[int],
+    dtypes: list[torch.dtype],
+    wire: torch.dtype,
+    group,
+    rank: int,
+    world_size: int,
+    stats: CommStats,
+    compute: Callable[[list[int], list[Tensor]], list[Tensor]],
+    place: Callable[[int, Tensor], Tensor],
+    mismatch: Callable[[int, tuple[int, ...], int], str],
+) -> list[list[Tensor]]:
+    """Rows to their owners, ``compute`` on the owners' whole tensors, rows back: the owner path.
+
+    Tensor ``i`` has shape ``shapes[i]``, row-sharded over ``group`` in ``torch.chunk``
+    blocks; this rank holds ``local[i]`` (``(rows[i][rank], ...)``)::
+
+        all_to_all_v   rank r sends its rows of tensor i to owners[i], in ``wire``    "to_owner"
+        owner          results = compute(mine, [whole tensor i for i in mine])        (shapes[i]-sized)
+        all_to_all_v   owner sends rank r its rows of each result, in ``wire``        "from_owner"
+        returns        per i, [place(i, this rank's rows of result i in dtypes[i])]
+
+    ``rank`` of ``world_size`` is this rank's place in ``group``; every rank of ``group``
+    calls it with the same shapes and owners. A local shard with the wrong row count
+    raises ``RuntimeError(mismatch(i, shard shape, expected rows))``.
+    """
+    W = world_size
+    row_numel = [math.prod(s[1:]) for s in shapes]
+    rows = [shard_rows(s[0], W) for s in shapes]  # rows[i][r]: rows of tensor i on rank r
+    for i, u in enumerate(local):
+        if u.shape[0] != rows[i][rank]:
+            raise RuntimeError(mismatch(i, tuple(u.shape), rows[i][rank]))
+    by_owner = [[i for i in range(len(local)) if owners[i] == r] for r in range(W)]
+    mine = by_owner[rank]
+
+    # 1. Every rank sends its rows of each tensor to the tensor's owner: one flat blob,
+    #    grouped by owner rank, each tensor's rows (rows[i][rank], row_numel_i) flattened.
+    send = [local[i].reshape(-1) for r in range(W) for i in by_owner[r]]
+    send_counts = [sum(local[i].numel() for i in by_owner[r]) for r in range(W)]
+    recv_counts = [sum(rows[i][s] * row_numel[i] for i in mine) for s in range(W)]
+    blob = torch.cat(send).to(wire) if send else local[0].new_empty(0, dtype=wire)
+    recv = all_to_all_v(blob, send_counts, recv_counts, group, stats, name="to_owner")
+
+    # 2. The owner stacks the row blocks of each of its tensors and computes on them all.
+    blocks: dict[int, list[Tensor]] = {i: [] for i in mine}
+    for chunk, s in zip(recv.split(recv_counts), range(W)):
+        for i, part in zip(mine, _split(chunk, [rows[i][s] * row_numel[i] for i in mine])):
+            blocks[i].append(part)
+    full = [torch.cat(blocks[i]).view(shapes[i]) for i in mine]  # (rows_i, ...) whole tensors
+    computed = compute(mine, full)
+
+    # 3. The owner sends each rank its rows of every result.
+    results = [c.reshape(shapes[i][0], -1) for i, c in zip(mine, computed)]  # (rows_i, row_numel_i)
+    back, back_counts = [], []
+    for r in range(W):
+        for i, res in zip(mine, results):
+            start = sum(rows[i][:r])
+            back.append(res[start : start + rows[i][r]].reshape(-1))
+        back_counts.append(sum(rows[i][r] * row_numel[i] for i in mine))
+    from_counts = [sum(rows[i][rank] * row_numel[i] for i in by_owner[s]) for s in range(W)]
+    blob = torch.cat(back).to(wire) if back else local[0].new_empty(0, dtype=wire)
+    got = all_to_all_v(blob, back_counts, from_counts, group, stats, name="from_owner")
+
+    out: list[list[Tensor] | None] = [None] * len(local)
+    for chunk, s in zip(got.split(from_counts), range(W)):
+        for i, part in zip(by_owner[s], _split(chunk, [rows[i][rank] * row_numel[i] for i in by_owner[s]])):
+            out[i] = [place(i, part.view(local[i].shape).to(dtypes[i]))]
+    return out  # type: ignore[return-value]
 
 
 def _split(flat: Tensor, sizes: list[int]) -> Sequence[Tensor]:

@@ -46,7 +46,7 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
-from lightning_muon.distributed.fsdp import MuonFSDPSharding, _matrix_shape, _split, shard_rows
+from lightning_muon.distributed.fsdp import MuonFSDPSharding, _matrix_shape, exchange_with_owners, shard_rows
 from lightning_muon.distributed.planning import plan_ownership
 from lightning_muon.distributed.protocol import Sharding
 from lightning_muon.distributed.tp_math import TP_MODES, long_side_split, newton_schulz_on_shards
@@ -114,7 +114,7 @@ class MuonTPSharding(MuonFSDPSharding):
                 continue
             where = f"param group {index}" + (f" ({g['name']!r})" if "name" in g else "")
             for p in g["params"]:
-                self._check_tp_param(p, g, where)
+                _check_tp_param(p, g, where)
         meshes = [p.device_mesh for p in params]
         self.mesh_2d = next((m for m in meshes if m.ndim == 2), None)
         dp_mesh = self.mesh_2d[DP_DIM] if self.mesh_2d is not None else meshes[0]
@@ -128,6 +128,7 @@ class MuonTPSharding(MuonFSDPSharding):
             self.tp_group, self.tp_rank, self.tp_size = tp_mesh.get_group(), tp_mesh.get_local_rank(), tp_mesh.size()
         else:
             self.tp_group, self.tp_rank, self.tp_size = None, 0, 1
+        self._tp = _TensorDim(self.tp_group, self.tp_rank, self.tp_size, self.stats_by_dim[TP_DIM])
         plan = plan_ownership(
             [tuple(p.shape) for p in params],
             self.dp_size,
@@ -147,109 +148,35 @@ class MuonTPSharding(MuonFSDPSharding):
             stats=self.stats_by_dim["world"],
         )
 
-    def _check_tp_param(self, p: Tensor, group: dict, where: str) -> None:
-        shape = tuple(p.shape)
-        if not isinstance(p, DTensor):
-            raise ValueError(
-                f"MuonTPSharding: {where} holds a plain tensor of shape {shape}; every Muon parameter must be a "
-                "DTensor (apply fully_shard on the data-parallel mesh to the module that holds it)"
-            )
-        mesh, placements = p.device_mesh, tuple(p.placements)
-        if mesh.ndim == 1:
-            if placements != (Shard(0),):
-                raise ValueError(f"MuonTPSharding: {where}: a 1-D mesh parameter of shape {shape} placed {placements}")
-            if group["batched"] and p.ndim > 3:
-                raise ValueError(f"MuonTPSharding: {where}: batched tensors with more than 3 dims ({shape})")
-            return
-        if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != (DP_DIM, TP_DIM):
-            raise ValueError(
-                f"MuonTPSharding: {where}: a parameter on a mesh with dims {mesh.mesh_dim_names}; expected "
-                f"({DP_DIM!r}, {TP_DIM!r}) (ModelParallelStrategy's device mesh)"
-            )
-        dp_place, tp_place = placements
-        split = tp_place.dim if isinstance(tp_place, Shard) else None
-        if split is None and not isinstance(tp_place, Replicate):
-            raise ValueError(f"MuonTPSharding: {where}: tensor-dim placement {tp_place} of {shape} is not supported")
-        # fully_shard after parallelize_module: rows of the tensor-parallel block, chunked on the data dim.
-        # On a tensor dim of size 1 the two nestings coincide, and fully_shard places Shard(0).
-        tp_size = mesh.size(1)
-        expected = _StridedShard(0, split_factor=tp_size) if split == 0 and tp_size > 1 else Shard(0)
-        if dp_place != expected:
-            raise ValueError(
-                f"MuonTPSharding: {where}: a parameter of shape {shape} placed {placements}; expected {expected} on "
-                "the data dim (apply parallelize_module first, then fully_shard on the data-parallel mesh)"
-            )
-        if split is not None and (p.ndim != 2 or group["batched"] or group["split_sizes"] is not None):
-            raise ValueError(
-                f"MuonTPSharding: {where}: a tensor-parallel parameter of shape {shape} must be a 2-D matrix "
-                "without split_sizes or batched"
-            )
-
-    # ------------------------------------------------------------------ layout
-
-    def _tp_local_shape(self, p: Tensor) -> tuple[int, ...]:
-        """The shape of tensor-parallel rank ``tp_rank``'s block of ``p`` (``p``'s shape when replicated)."""
-        split = tp_split_dim(p)
-        shape = list(p.shape)
-        if split is not None:
-            shape[split] = shard_rows(shape[split], self.tp_size)[self.tp_rank]
-        return tuple(shape)
-
     # ------------------------------------------------------------------ orthogonalization
 
     @torch.no_grad()
     def orthogonalize(self, params: list[Tensor], updates: list[Tensor], **ns_kwargs) -> list[list[Tensor]]:
         """Per update, its orthogonalized piece as a DTensor placed like the update."""
-        D, d = self.dp_size, self.dp_rank
-        batched = ns_kwargs["batched"]
-        owners = [self.plan.owners[self._index[id(p)]] for p in params]
-        shapes = [self._tp_local_shape(p) for p in params]  # this tensor-parallel rank's blocks
-        row_numel = [math.prod(s[1:]) for s in shapes]
-        rows = [shard_rows(s[0], D) for s in shapes]  # rows[i][r]: rows of block i on data rank r
-        local = [self.local_shard(u) for u in updates]
-        for i, u in enumerate(local):
-            if u.shape[0] != rows[i][d]:
-                raise RuntimeError(
-                    f"MuonTPSharding: a shard of shape {tuple(u.shape)} of a {tuple(updates[i].shape)} tensor on "
-                    f"data rank {d}; expected {rows[i][d]} rows of its {shapes[i]} tensor-parallel block"
-                )
-        wire = self._wire_dtype(updates, ns_kwargs.get("ns_dtype"))
-        by_owner = [[i for i in range(len(params)) if owners[i] == r] for r in range(D)]
-        mine = by_owner[d]
-        dp_stats = self.stats_by_dim[DP_DIM]
+        batched, d = ns_kwargs["batched"], self.dp_rank
+        shapes = [_tp_local_shape(p, self.tp_size, self.tp_rank) for p in params]  # this tensor-parallel rank's blocks
 
-        # 1. Data dim: rows of each block to its owner.
-        send = [local[i].reshape(-1) for r in range(D) for i in by_owner[r]]
-        send_counts = [sum(local[i].numel() for i in by_owner[r]) for r in range(D)]
-        recv_counts = [sum(rows[i][s] * row_numel[i] for i in mine) for s in range(D)]
-        blob = torch.cat(send).to(wire) if send else local[0].new_empty(0, dtype=wire)
-        recv = all_to_all_v(blob, send_counts, recv_counts, self.dp_group, dp_stats, name="to_owner")
-        blocks: dict[int, list[Tensor]] = {i: [] for i in mine}
-        for chunk, s in zip(recv.split(recv_counts), range(D)):
-            for i, part in zip(mine, _split(chunk, [rows[i][s] * row_numel[i] for i in mine])):
-                blocks[i].append(part)
-        whole = [torch.cat(blocks[i]).view(shapes[i]) for i in mine]  # tensor-parallel blocks
+        def compute(mine: list[int], whole: list[Tensor]) -> list[Tensor]:
+            # Steps 1 and 3 run in exchange_with_owners; step 2 here, on the owners' blocks.
+            return self._orthogonalize_blocks(params, updates, mine, whole, ns_kwargs)
 
-        # 2. Tensor dim: by tp_mode.
-        results = self._orthogonalize_blocks(params, updates, mine, whole, ns_kwargs)
-        results = [r.reshape(shapes[i][0], -1) for i, r in zip(mine, results)]  # (rows_i, row_numel_i)
-
-        # 3. Data dim: every rank its rows of the results.
-        back, back_counts = [], []
-        for r in range(D):
-            for i, res in zip(mine, results):
-                start = sum(rows[i][:r])
-                back.append(res[start : start + rows[i][r]].reshape(-1))
-            back_counts.append(sum(rows[i][r] * row_numel[i] for i in mine))
-        from_counts = [sum(rows[i][d] * row_numel[i] for i in by_owner[s]) for s in range(D)]
-        blob = torch.cat(back).to(wire) if back else local[0].new_empty(0, dtype=wire)
-        got = all_to_all_v(blob, back_counts, from_counts, self.dp_group, dp_stats, name="from_owner")
-        out: list[list[Tensor] | None] = [None] * len(params)
-        for chunk, s in zip(got.split(from_counts), range(D)):
-            for i, part in zip(by_owner[s], _split(chunk, [rows[i][d] * row_numel[i] for i in by_owner[s]])):
-                piece = part.view(local[i].shape).to(updates[i].dtype)
-                out[i] = [self._placed_like(piece, updates[i], batched)]
-        return out  # type: ignore[return-value]
+        return exchange_with_owners(
+            [self.local_shard(u) for u in updates],
+            shapes,
+            [self.plan.owners[self._index[id(p)]] for p in params],
+            [u.dtype for u in updates],
+            self._wire_dtype(updates, ns_kwargs.get("ns_dtype")),
+            self.dp_group,
+            d,
+            self.dp_size,
+            self.stats_by_dim[DP_DIM],
+            compute,
+            lambda i, piece: self._placed_like(piece, updates[i], batched),
+            mismatch=lambda i, shard, expected: (
+                f"MuonTPSharding: a shard of shape {shard} of a {tuple(updates[i].shape)} tensor on data rank {d}; "
+                f"expected {expected} rows of its {shapes[i]} tensor-parallel block"
+            ),
+        )
 
     def _placed_like(self, local: Tensor, like: Tensor, batched: bool) -> Tensor:
         if like.device_mesh.ndim == 1:  # the FSDP2 case: the piece has the matrix shape
@@ -284,9 +211,19 @@ class MuonTPSharding(MuonFSDPSharding):
         split_ks = [k for k, s in enumerate(split) if s is not None]
         if split_ks:
             if self.tp_mode == "duplicated":
-                self._duplicated(split_ks, lay, whole, ns_kwargs, out, observed_full)
+                fulls = self._tp.gather(split_ks, lay, whole, dst=None)
+                ortho = muon_orthogonalize(fulls, **ns_kwargs)
+                for k, full, o in zip(split_ks, fulls, ortho):
+                    out[k] = _own_block(o[0], lay[k].split, self.tp_size, self.tp_rank)
+                    observed_full[k] = (full, o[0])
             elif self.tp_mode == "distributed":
-                self._distributed(split_ks, lay, whole, ns_kwargs, out, observed_full)
+                for k, res in self._tp.newton_schulz(split_ks, lay, whole, ns_kwargs).items():
+                    out[k] = res
+                if self.optimizer.has_update_hooks:  # gather for the spectra, only when asked
+                    fulls = self._tp.gather(split_ks, lay, whole, dst=0)
+                    results = self._tp.gather(split_ks, lay, out, dst=0)
+                    for k, full, res in zip(split_ks, fulls, results):
+                        observed_full[k] = (full, res)
             else:
                 ortho = muon_orthogonalize([whole[k] for k in split_ks], **ns_kwargs)
                 for k, o in zip(split_ks, ortho):
@@ -294,12 +231,101 @@ class MuonTPSharding(MuonFSDPSharding):
         self._observe_owned(params, updates, mine, observed_full, bool(split_ks))
         return out  # type: ignore[return-value]
 
-    def _gather_blocks(self, ks: list[int], lay: list[_Layout], blocks: list, dst: int | None) -> list[Tensor]:
+    def _observe_owned(self, params, updates, mine, observed_full, has_split) -> None:
+        if not self.optimizer.has_update_hooks:
+            return
+        if self.tp_mode == "blockwise" and has_split and not self._warned_observer:
+            self._warned_observer = True
+            warnings.warn(
+                "MuonTPSharding: blockwise mode never holds a whole tensor-parallel matrix; update hooks skip those",
+                RuntimeWarning,
+                stacklevel=6,  # the caller of orthogonalize, through exchange_with_owners
+            )
+        if self.tp_rank != 0 or not observed_full:
+            return  # each matrix once: on tensor-parallel rank 0 of its owners
+        ks = sorted(observed_full)
+        first = params[mine[ks[0]]]
+        group = next(g for g in self.optimizer.param_groups if any(q is first for q in g["params"]))
+        dtypes = [updates[mine[k]].dtype for k in ks]
+        self.optimizer.run_update_hooks(
+            group,
+            [params[mine[k]] for k in ks],
+            [observed_full[k][0].reshape(params[mine[k]].shape).to(dt) for k, dt in zip(ks, dtypes)],
+            [[observed_full[k][1].to(dt)] for k, dt in zip(ks, dtypes)],
+        )
+
+
+def _check_tp_param(p: Tensor, group: dict, where: str) -> None:
+    shape = tuple(p.shape)
+    if not isinstance(p, DTensor):
+        raise ValueError(
+            f"MuonTPSharding: {where} holds a plain tensor of shape {shape}; every Muon parameter must be a "
+            "DTensor (apply fully_shard on the data-parallel mesh to the module that holds it)"
+        )
+    mesh, placements = p.device_mesh, tuple(p.placements)
+    if mesh.ndim == 1:
+        if placements != (Shard(0),):
+            raise ValueError(f"MuonTPSharding: {where}: a 1-D mesh parameter of shape {shape} placed {placements}")
+        if group["batched"] and p.ndim > 3:
+            raise ValueError(f"MuonTPSharding: {where}: batched tensors with more than 3 dims ({shape})")
+        return
+    if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != (DP_DIM, TP_DIM):
+        raise ValueError(
+            f"MuonTPSharding: {where}: a parameter on a mesh with dims {mesh.mesh_dim_names}; expected "
+            f"({DP_DIM!r}, {TP_DIM!r}) (ModelParallelStrategy's device mesh)"
+        )
+    dp_place, tp_place = placements
+    split = tp_place.dim if isinstance(tp_place, Shard) else None
+    if split is None and not isinstance(tp_place, Replicate):
+        raise ValueError(f"MuonTPSharding: {where}: tensor-dim placement {tp_place} of {shape} is not supported")
+    # fully_shard after parallelize_module: rows of the tensor-parallel block, chunked on the data dim.
+    # On a tensor dim of size 1 the two nestings coincide, and fully_shard places Shard(0).
+    tp_size = mesh.size(1)
+    expected = _StridedShard(0, split_factor=tp_size) if split == 0 and tp_size > 1 else Shard(0)
+    if dp_place != expected:
+        raise ValueError(
+            f"MuonTPSharding: {where}: a parameter of shape {shape} placed {placements}; expected {expected} on "
+            "the data dim (apply parallelize_module first, then fully_shard on the data-parallel mesh)"
+        )
+    if split is not None and (p.ndim != 2 or group["batched"] or group["split_sizes"] is not None):
+        raise ValueError(
+            f"MuonTPSharding: {where}: a tensor-parallel parameter of shape {shape} must be a 2-D matrix "
+            "without split_sizes or batched"
+        )
+
+
+def _tp_local_shape(p: Tensor, T: int, t: int) -> tuple[int, ...]:
+    """The shape of tensor-parallel rank ``t``'s block of ``p`` (of ``T``; ``p``'s shape when replicated)."""
+    split = tp_split_dim(p)
+    shape = list(p.shape)
+    if split is not None:
+        shape[split] = shard_rows(shape[split], T)[t]
+    return tuple(shape)
+
+
+class _TensorDim(NamedTuple):
+    """The collectives of step 2 on one tensor-parallel group: ``T`` ranks, this one ``t``.
+
+    Blocks are indexed by ``k`` (an owned matrix); ``lay[k]`` is its ``_Layout``. Every
+    rank of the group calls each method with the same ``ks`` and layouts. Bytes go to
+    ``stats`` under "tp_gather", "tp_gram" and "tp_resplit".
+    """
+
+    group: dist.ProcessGroup | None
+    """The tensor-parallel process group; None on a 1-D mesh (then nothing is split)."""
+    t: int
+    """This rank's place in ``group``."""
+    T: int
+    """The group's size."""
+    stats: CommStats
+    """Where the tensor-dim bytes are counted."""
+
+    def gather(self, ks: list[int], lay: list[_Layout], blocks: list, dst: int | None) -> list[Tensor]:
         """Whole matrices from their tensor-parallel blocks, on every rank (``dst`` None) or on ``dst`` only.
 
         One ``all_to_all_v`` over the tensor-parallel group; returns ``[]`` where nothing arrives.
         """
-        T, t = self.tp_size, self.tp_rank
+        T, t = self.T, self.t
         flat = torch.cat([blocks[k].reshape(-1) for k in ks]) if ks else blocks[0].new_empty(0)
         targets = [r for r in range(T) if r != t and (dst is None or r == dst)]
         send_counts = [flat.numel() if r in targets else 0 for r in range(T)]
@@ -308,7 +334,7 @@ class MuonTPSharding(MuonFSDPSharding):
         block_numels = [[math.prod(s) for s in shapes] for shapes in block_shapes]
         recv_counts = [sum(block_numels[r]) if receives and r != t else 0 for r in range(T)]
         send = torch.cat([flat] * len(targets)) if targets else flat[:0]
-        got = all_to_all_v(send, send_counts, recv_counts, self.tp_group, self.stats_by_dim[TP_DIM], name="tp_gather")
+        got = all_to_all_v(send, send_counts, recv_counts, self.group, self.stats, name="tp_gather")
         if not receives:
             return []
         parts = iter(got.split([c for r, c in enumerate(recv_counts) if r != t]))
@@ -323,64 +349,54 @@ class MuonTPSharding(MuonFSDPSharding):
             fulls.append(torch.cat(pieces, dim=lay[k].split))
         return fulls
 
-    def _duplicated(self, ks, lay, whole, ns_kwargs, out, observed_full) -> None:
-        fulls = self._gather_blocks(ks, lay, whole, dst=None)
-        ortho = muon_orthogonalize(fulls, **ns_kwargs)
-        for k, full, o in zip(ks, fulls, ortho):
-            out[k] = _own_block(o[0], lay[k].split, self.tp_size, self.tp_rank)
-            observed_full[k] = (full, o[0])
+    def newton_schulz(self, ks: list[int], lay: list[_Layout], whole: list[Tensor], ns_kwargs: dict) -> dict:
+        """``distributed`` mode: per ``k``, this rank's block of the polar factor, shaped like ``whole[k]``.
 
-    def _distributed(self, ks, lay, whole, ns_kwargs, out, observed_full) -> None:
+        Newton-Schulz on the blocks of the wide form (m <= n) split along its long side,
+        one all-reduce of the (K, m, m) Gram matrices per step and bucket
+        (``tp_math.newton_schulz_on_shards``); blocks split along the short side are
+        re-split first (``resplit``) and back after (``resplit_back``).
+        """
         schedule, norm = resolve_coefficients(ns_kwargs["ns_coefficients"], ns_kwargs["ns_steps"])
         work = resolve_ns_dtype(ns_kwargs["ns_dtype"], whole[ks[0]].device, whole[ks[0]].dtype)
-        split = {k: lay[k].split for k in ks}
         full_shape = {k: lay[k].shape for k in ks}
         # The wide form's blocks along its long side: (m, n_t) each.
         wide: dict[int, Tensor] = {}
-        short = [k for k in ks if not long_side_split(*full_shape[k], split[k])]
+        short = [k for k in ks if not long_side_split(*full_shape[k], lay[k].split)]
         for k in ks:
             if k not in short:
                 block = whole[k].to(work)
                 wide[k] = block if full_shape[k][0] <= full_shape[k][1] else block.mT
         if short:
-            wide.update(self._resplit(short, split, whole, full_shape, work))
-        tp_stats = self.stats_by_dim[TP_DIM]
+            wide.update(self.resplit(short, whole, full_shape, work))
 
         def reduce(x: Tensor) -> Tensor:
-            return all_reduce_(x, group=self.tp_group, stats=tp_stats, name="tp_gram")
+            return all_reduce_(x, group=self.group, stats=self.stats, name="tp_gram")
 
         # Buckets by the whole wide shape: the same on every rank of the group, whatever its block.
         buckets: dict[tuple[int, int], list[int]] = {}
         for k in ks:
-            rows, cols = full_shape[k]
-            buckets.setdefault((min(rows, cols), max(rows, cols)), []).append(k)
+            buckets.setdefault(_wide(full_shape[k]), []).append(k)
         result_wide: dict[int, Tensor] = {}
         for members in buckets.values():
             X = torch.stack([wide[k] for k in members])  # (K, m, n_t)
             Y = newton_schulz_on_shards([X], schedule, norm, reduce)[0]
             for j, k in enumerate(members):
                 result_wide[k] = Y[j]
-        if short:
-            back = self._resplit_back(short, split, result_wide, full_shape)
+        out = self.resplit_back(short, result_wide, full_shape) if short else {}
         for k in ks:
-            if k in short:
-                out[k] = back[k]
-            else:
+            if k not in short:
                 y = result_wide[k]
                 out[k] = y if full_shape[k][0] <= full_shape[k][1] else y.mT
-        if self.optimizer.has_update_hooks:  # gather for the spectra, only when asked
-            fulls = self._gather_blocks(ks, lay, whole, dst=0)
-            results = self._gather_blocks(ks, lay, out, dst=0)
-            for k, full, res in zip(ks, fulls, results):
-                observed_full[k] = (full, res)
+        return {k: out[k] for k in ks}
 
-    def _resplit(self, ks, split, whole, full_shape, work) -> dict[int, Tensor]:
+    def resplit(self, ks, whole, full_shape, work) -> dict[int, Tensor]:
         """Blocks split along the wide form's short side, re-split along its long side (one all-to-all).
 
         Rank t holds rows ``R_t`` of the wide form (m x n); it sends rank u its columns
         ``C_u`` and gets back ``(R_s, C_t)`` from every rank s: the wide form's columns ``C_t``.
         """
-        T, t = self.tp_size, self.tp_rank
+        T, t = self.T, self.t
         send, send_counts, recv_counts = [], [0] * T, [0] * T
         wides = {}
         for k in ks:
@@ -394,22 +410,12 @@ class MuonTPSharding(MuonFSDPSharding):
                 send.append(wides[k][:, c0 : c0 + cn].reshape(-1))
                 send_counts[u] += wides[k].shape[0] * cn
                 recv_counts[u] += shard_rows(m, T)[u] * shard_rows(n, T)[t]
-        got = all_to_all_v(
-            torch.cat(send), send_counts, recv_counts, self.tp_group, self.stats_by_dim[TP_DIM], "tp_resplit"
-        )
-        pieces: dict[int, list[Tensor]] = {k: [] for k in ks}
-        for u, chunk in enumerate(got.split(recv_counts)):
-            offset = 0
-            for k in ks:
-                m, n = _wide(full_shape[k])
-                size = (shard_rows(m, T)[u], shard_rows(n, T)[t])
-                pieces[k].append(chunk[offset : offset + size[0] * size[1]].view(size))
-                offset += size[0] * size[1]
+        pieces = self._tiles(ks, send, send_counts, recv_counts, full_shape, lambda u: (u, t))
         return {k: torch.cat(pieces[k], dim=0) for k in ks}  # (m, n_t)
 
-    def _resplit_back(self, ks, split, result_wide, full_shape) -> dict[int, Tensor]:
-        """The inverse of ``_resplit``: column blocks of the result back to this rank's row block."""
-        T, t = self.tp_size, self.tp_rank
+    def resplit_back(self, ks, result_wide, full_shape) -> dict[int, Tensor]:
+        """The inverse of ``resplit``: column blocks of the result back to this rank's row block."""
+        T, t = self.T, self.t
         send, send_counts, recv_counts = [], [0] * T, [0] * T
         for u in range(T):
             for k in ks:
@@ -418,17 +424,7 @@ class MuonTPSharding(MuonFSDPSharding):
                 send.append(result_wide[k][r0 : r0 + rn].reshape(-1))
                 send_counts[u] += rn * result_wide[k].shape[1]
                 recv_counts[u] += shard_rows(m, T)[t] * shard_rows(n, T)[u]
-        got = all_to_all_v(
-            torch.cat(send), send_counts, recv_counts, self.tp_group, self.stats_by_dim[TP_DIM], "tp_resplit"
-        )
-        pieces: dict[int, list[Tensor]] = {k: [] for k in ks}
-        for u, chunk in enumerate(got.split(recv_counts)):
-            offset = 0
-            for k in ks:
-                m, n = _wide(full_shape[k])
-                size = (shard_rows(m, T)[t], shard_rows(n, T)[u])
-                pieces[k].append(chunk[offset : offset + size[0] * size[1]].view(size))
-                offset += size[0] * size[1]
+        pieces = self._tiles(ks, send, send_counts, recv_counts, full_shape, lambda u: (t, u))
         out = {}
         for k in ks:
             block = torch.cat(pieces[k], dim=1)  # (m_t, n): this rank's rows of the wide result
@@ -436,28 +432,24 @@ class MuonTPSharding(MuonFSDPSharding):
             out[k] = block if rows <= cols else block.mT
         return out
 
-    def _observe_owned(self, params, updates, mine, observed_full, has_split) -> None:
-        if not self.optimizer.has_update_hooks:
-            return
-        if self.tp_mode == "blockwise" and has_split and not self._warned_observer:
-            self._warned_observer = True
-            warnings.warn(
-                "MuonTPSharding: blockwise mode never holds a whole tensor-parallel matrix; update hooks skip those",
-                RuntimeWarning,
-                stacklevel=4,
-            )
-        if self.tp_rank != 0 or not observed_full:
-            return  # each matrix once: on tensor-parallel rank 0 of its owners
-        ks = sorted(observed_full)
-        first = params[mine[ks[0]]]
-        group = next(g for g in self.optimizer.param_groups if any(q is first for q in g["params"]))
-        dtypes = [updates[mine[k]].dtype for k in ks]
-        self.optimizer.run_update_hooks(
-            group,
-            [params[mine[k]] for k in ks],
-            [observed_full[k][0].reshape(params[mine[k]].shape).to(dt) for k, dt in zip(ks, dtypes)],
-            [[observed_full[k][1].to(dt)] for k, dt in zip(ks, dtypes)],
-        )
+    def _tiles(self, ks, send, send_counts, recv_counts, full_shape, which) -> dict[int, list[Tensor]]:
+        """One "tp_resplit" all-to-all; per ``k``, the tile each rank ``u`` sent.
+
+        The tile from ``u`` is row chunk ``which(u)[0]`` by column chunk ``which(u)[1]`` of
+        ``k``'s wide form (``torch.chunk`` chunks in ``T``).
+        """
+        T = self.T
+        got = all_to_all_v(torch.cat(send), send_counts, recv_counts, self.group, self.stats, "tp_resplit")
+        pieces: dict[int, list[Tensor]] = {k: [] for k in ks}
+        for u, chunk in enumerate(got.split(recv_counts)):
+            offset = 0
+            for k in ks:
+                m, n = _wide(full_shape[k])
+                i, j = which(u)
+                size = (shard_rows(m, T)[i], shard_rows(n, T)[j])
+                pieces[k].append(chunk[offset : offset + size[0] * size[1]].view(size))
+                offset += size[0] * size[1]
+        return pieces
 
 
 def _span(size: int, parts: int, index: int) -> tuple[int, int]:
