@@ -44,7 +44,7 @@ from lightning_muon.distributed.protocol import Sharding
 from lightning_muon.functional import muon_orthogonalize, piece_shapes
 from lightning_muon.newton_schulz import resolve_ns_dtype
 
-__all__ = ["FSDP_MODES", "MuonFSDPSharding", "exchange_with_owners", "shard_rows"]
+__all__ = ["FSDP_MODES", "MuonFSDPSharding", "exchange_with_owners", "muon_params", "shard_rows"]
 
 FSDP_MODES = ("owner", "blockwise")
 
@@ -91,21 +91,7 @@ class MuonFSDPSharding(Sharding):
         if mode not in FSDP_MODES:
             raise ValueError(f"mode must be one of {FSDP_MODES}, got {mode!r}")
         self.mode = mode
-        groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
-        params: list[Tensor] = [p for g in groups for p in g["params"]]
-        if not params:
-            raise ValueError("MuonFSDPSharding: the optimizer has no Muon parameters")
-        for index, g in enumerate(optimizer.param_groups):
-            if g["algorithm"] != "muon":
-                continue
-            where = f"param group {index}" + (f" ({g['name']!r})" if "name" in g else "")
-            if g["split_sizes"] is not None:
-                raise ValueError(
-                    f"MuonFSDPSharding: {where} has split_sizes {g['split_sizes']}, which is not supported under "
-                    "FSDP2 (its blocks cut across the row shards); orthogonalize the fused matrix whole"
-                )
-            for p in g["params"]:
-                _check_param(p, where, g["batched"], params[0])
+        groups, params = muon_params(optimizer, "MuonFSDPSharding", _check_group)
         self.mesh = params[0].device_mesh
         plan = plan_ownership(
             [tuple(p.shape) for p in params],
@@ -331,6 +317,36 @@ def _strides(shape: torch.Size) -> tuple[int, ...]:
         strides.append(step)
         step *= max(size, 1)
     return tuple(reversed(strides))
+
+
+def muon_params(
+    optimizer, who: str, check: Callable[[dict, str, list[Tensor]], None]
+) -> tuple[list[dict], list[Tensor]]:
+    """The optimizer's Muon param groups and their parameters, in order, each group checked.
+
+    ``check(group, where, params)`` runs on every Muon group (``where`` names it for error
+    messages, ``params`` are all the Muon parameters); ``who`` prefixes the error raised
+    when there are none.
+    """
+    groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
+    params: list[Tensor] = [p for g in groups for p in g["params"]]
+    if not params:
+        raise ValueError(f"{who}: the optimizer has no Muon parameters")
+    for index, g in enumerate(optimizer.param_groups):
+        if g["algorithm"] != "muon":
+            continue
+        check(g, f"param group {index}" + (f" ({g['name']!r})" if "name" in g else ""), params)
+    return groups, params
+
+
+def _check_group(g: dict, where: str, params: list[Tensor]) -> None:
+    if g["split_sizes"] is not None:
+        raise ValueError(
+            f"MuonFSDPSharding: {where} has split_sizes {g['split_sizes']}, which is not supported under "
+            "FSDP2 (its blocks cut across the row shards); orthogonalize the fused matrix whole"
+        )
+    for p in g["params"]:
+        _check_param(p, where, g["batched"], params[0])
 
 
 def _check_param(p: Tensor, where: str, batched: bool, first: Tensor) -> None:

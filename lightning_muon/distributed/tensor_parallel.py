@@ -46,7 +46,13 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
-from lightning_muon.distributed.fsdp import MuonFSDPSharding, _matrix_shape, exchange_with_owners, shard_rows
+from lightning_muon.distributed.fsdp import (
+    MuonFSDPSharding,
+    _matrix_shape,
+    exchange_with_owners,
+    muon_params,
+    shard_rows,
+)
 from lightning_muon.distributed.planning import plan_ownership
 from lightning_muon.distributed.protocol import Sharding
 from lightning_muon.distributed.tp_math import TP_MODES, long_side_split, newton_schulz_on_shards
@@ -105,16 +111,7 @@ class MuonTPSharding(MuonFSDPSharding):
         self.mode = "owner"
         self.tp_mode = tp_mode
         self.stats_by_dim = {DP_DIM: CommStats(), TP_DIM: CommStats(), "world": CommStats()}
-        groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
-        params: list[Tensor] = [p for g in groups for p in g["params"]]
-        if not params:
-            raise ValueError("MuonTPSharding: the optimizer has no Muon parameters")
-        for index, g in enumerate(optimizer.param_groups):
-            if g["algorithm"] != "muon":
-                continue
-            where = f"param group {index}" + (f" ({g['name']!r})" if "name" in g else "")
-            for p in g["params"]:
-                _check_tp_param(p, g, where)
+        groups, params = muon_params(optimizer, "MuonTPSharding", _check_tp_group)
         meshes = [p.device_mesh for p in params]
         self.mesh_2d = next((m for m in meshes if m.ndim == 2), None)
         dp_mesh = self.mesh_2d[DP_DIM] if self.mesh_2d is not None else meshes[0]
@@ -253,6 +250,11 @@ class MuonTPSharding(MuonFSDPSharding):
             [observed_full[k][0].reshape(params[mine[k]].shape).to(dt) for k, dt in zip(ks, dtypes)],
             [[observed_full[k][1].to(dt)] for k, dt in zip(ks, dtypes)],
         )
+
+
+def _check_tp_group(g: dict, where: str, params: list[Tensor]) -> None:
+    for p in g["params"]:
+        _check_tp_param(p, g, where)
 
 
 def _check_tp_param(p: Tensor, group: dict, where: str) -> None:
