@@ -45,7 +45,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import describe_machine, machine_line, sync  # a sibling script, not a package
+from harness import TrainClock, describe_machine, machine_line, sync  # a sibling script, not a package
 
 from lightning_muon import QKClip
 from lightning_muon.attention import maxima
@@ -86,21 +86,6 @@ def predicted_share(shape: dict[str, int], vocab: int = VOCAB) -> float:
     extra = L * 2 * B * T * T * d
     step = L * (72 * n * d * d + 12 * B * T * T * d) + 6 * n * d * vocab
     return extra / (step + extra)
-
-
-class _Clock(pl.Callback):
-    """Wall time from the first training batch to the end of training (setup excluded)."""
-
-    def __init__(self) -> None:
-        self.start = self.end = 0.0
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        sync(pl_module.device)
-        self.start = time.perf_counter()
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        sync(pl_module.device)
-        self.end = time.perf_counter()
 
 
 class _TimedQKClip(QKClip):
@@ -149,7 +134,7 @@ def _fit(shape: dict[str, int], steps: int, clipped: bool, workdir: Path, device
         max_chars=300_000,
         train_samples_per_epoch=shape["batch_size"] * steps,
     )
-    clock = _Clock()
+    clock = TrainClock()
     clip = _TimedQKClip(threshold=100.0) if clipped else None
     from lightning.pytorch.loggers import CSVLogger
 

@@ -37,7 +37,7 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import check_device, describe_machine, machine_line, sync  # a sibling script, not a package
+from harness import TrainClock, check_device, describe_machine, machine_line, sync  # a sibling script, not a package
 
 from lightning_muon import UpdateSpectrumMonitor
 from lightning_muon_demo.data import CharTextDataModule
@@ -49,21 +49,6 @@ TARGET_OVERHEAD = 0.05
 # configs/muon.yaml's model and batch; --quick shrinks both.
 DEMO = dict(n_layer=4, n_head=4, n_embd=128, block_size=128, batch_size=32)
 QUICK = dict(n_layer=2, n_head=2, n_embd=32, block_size=32, batch_size=8)
-
-
-class _Clock(pl.Callback):
-    """Wall time from the first training batch to the end of training (setup excluded)."""
-
-    def __init__(self) -> None:
-        self.start = self.end = 0.0
-
-    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        sync(pl_module.device)
-        self.start = time.perf_counter()
-
-    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
-        sync(pl_module.device)
-        self.end = time.perf_counter()
 
 
 class _TimedMonitor(UpdateSpectrumMonitor):
@@ -115,7 +100,7 @@ def _fit(
         max_chars=300_000,
         train_samples_per_epoch=shape["batch_size"] * steps,
     )
-    clock = _Clock()
+    clock = TrainClock()
     callbacks: list[pl.Callback] = [clock]
     monitor = _TimedMonitor(every_n_steps=every) if monitored else None
     if monitor is not None:

@@ -29,11 +29,13 @@ import socket
 import statistics
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
+import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 import torch.multiprocessing as mp
@@ -180,6 +182,21 @@ def sync(device: torch.device | str) -> None:
     device = torch.device(device)
     if device.type == "cuda":
         torch.cuda.synchronize(device)
+
+
+class TrainClock(pl.Callback):
+    """Wall time from the first training batch to the end of training (setup excluded)."""
+
+    def __init__(self) -> None:
+        self.start = self.end = 0.0
+
+    def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        sync(pl_module.device)
+        self.start = time.perf_counter()
+
+    def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
+        sync(pl_module.device)
+        self.end = time.perf_counter()
 
 
 def progress(message: str) -> None:
