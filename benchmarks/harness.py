@@ -219,12 +219,11 @@ def free_port() -> int:
 def _rank_process(
     rank: int, world_size: int, port: int, out_dir: str, backend: str, threads: int, fn: Callable, args: tuple
 ) -> None:
-    # The group meets through a file in this launch's own folder, not a TCP port: a port found
-    # free by the parent can be taken by another program before rank 0 listens on it
-    # (EADDRINUSE on a busy machine). The address stays in the environment for code that
-    # reads it (a Lightning fit inside fn).
+    # The group meets over TCP on a port the parent found free (env://). With a file
+    # rendezvous (file://) instead, a CI run saw three FSDP2 fits with distributed
+    # checkpoints abort a rank at exit ("terminate called without an active exception").
     os.environ.update(MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
-    init_method = Path(out_dir, "rendezvous").as_uri()
+    init_method = "env://"
     torch.set_num_threads(threads)
     if backend == "nccl":
         # One GPU per rank; "cuda" in fn (models, batches, meshes) means this rank's GPU.
