@@ -81,6 +81,7 @@ def trainer(root: Path, steps: int, callbacks: list, **kwargs: Any) -> pl.Traine
         default_root_dir=root,
         use_distributed_sampler=False,
         num_sanity_val_steps=0,
+        log_every_n_steps=1,  # QKClip logs on the steps Lightning writes to the loggers
     )
     return pl.Trainer(max_steps=steps, callbacks=callbacks, **{**settings, **kwargs})
 

@@ -14,7 +14,20 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from dist_utils import run_distributed
-from qk_clip_modules import BLOCK, EMBD, HEADS, PLANTED, TAU, DumpingGPT, PlantedGPT, fit_worker, tokens, trainer
+from qk_clip_modules import (
+    BLOCK,
+    EMBD,
+    HEADS,
+    PLANT,
+    PLANTED,
+    TAU,
+    DumpingGPT,
+    PlantedGPT,
+    fit_worker,
+    plant,
+    tokens,
+    trainer,
+)
 from torch import nn
 
 from lightning_muon import QKClip
@@ -48,6 +61,52 @@ def test_head_max_logits_against_brute_force(monkeypatch):
     torch.testing.assert_close(
         head_max_logits(q, k, attn_mask=padding, is_causal=True), _brute_max(q, k, padding & causal, 0.5)
     )
+
+
+def test_head_max_logits_bounds_only_when_every_head_is_under_exact_above():
+    gen = torch.Generator().manual_seed(2)
+    q, k = torch.randn(2, 4, 6, 8, generator=gen), torch.randn(2, 2, 6, 8, generator=gen)
+    causal = torch.ones(6, 6, dtype=torch.bool).tril()
+    exact = _brute_max(q, k, causal, 8**-0.5)
+    bound = (
+        8**-0.5
+        * torch.linalg.vector_norm(q, dim=-1).amax(dim=(0, 2))
+        * torch.linalg.vector_norm(k, dim=-1).amax(dim=(0, 2)).repeat_interleave(2)
+    )
+    assert torch.all(bound > exact)  # random directions: the bound is loose
+    # Every bound under exact_above: the bounds come back (no head can be over it).
+    got = head_max_logits(q, k, is_causal=True, exact_above=float(bound.max()))
+    torch.testing.assert_close(got, bound)
+    # One bound over it: every head is measured.
+    torch.testing.assert_close(head_max_logits(q, k, is_causal=True, exact_above=float(bound.min())), exact)
+    q[1, 2, 3, 0] = float("nan")  # a NaN bound is never "under": measured, NaN for its head
+    assert head_max_logits(q, k, is_causal=True, exact_above=1e9)[2].isnan()
+
+
+def test_unlogged_steps_clip_exactly_as_if_every_step_were_measured(tmp_path, monkeypatch):
+    """Between logging steps a layer whose q, k norms bound every head under tau skips Q K^T.
+
+    Layer 1 un-planted (logits far under tau), layer 0 planted (over it): over 4 Muon steps,
+    logging every step and logging every 4th step clip the same heads by the same factors,
+    bit for bit, and step 4's logged maxima are equal; the second run measured layer 1 once.
+    """
+    measured = []
+    original = maxima_module._measured_maxima
+    monkeypatch.setattr(maxima_module, "_measured_maxima", lambda *a: measured.append(1) or original(*a))
+    runs = []
+    for every in (1, 4):
+        measured.clear()
+        model = PlantedGPT()
+        plant(model.model, {1: PLANTED[1]}, 1 / PLANT)
+        model, fit = _fit(tmp_path / str(every), 4, [QKClip(threshold=TAU)], model=model, log_every_n_steps=every)
+        runs.append((dict(model.named_parameters()), dict(fit.callback_metrics), fit.callbacks[0], len(measured)))
+    (params_1, logged_1, clip_1, measured_1), (params_4, logged_4, clip_4, measured_4) = runs
+    assert (measured_1, measured_4) == (8, 5)  # 2 layers x 4 steps; layer 0 every step + layer 1 at step 4
+    for name, p in params_1.items():
+        assert torch.equal(p, params_4[name]), name
+    assert clip_1.clipped_heads_total == clip_4.clipped_heads_total > 0  # layer 0's planted head
+    for key in ("qk_clip/max_logit", "qk_clip/clipped_heads", "qk_clip/max_logit/model.blocks.1.attn"):
+        assert torch.equal(logged_1[key], logged_4[key]), key
 
 
 def test_gqa_rule_and_bad_arguments():

@@ -1,6 +1,6 @@
 """QK-clip on the demo GPT at a high Muon lr: the max attention logit per step, with and without.
 
-    python examples/qk_clip/main.py                   # 80 steps each (~5 min on 2 CPU cores), or a GPU
+    python examples/qk_clip/main.py                   # 80 steps each (~15 s on 2 CPU cores), or a GPU
     python examples/qk_clip/main.py --steps 20        # a quick look
 
 Two runs from the same seed and data: ``QKClip(clip=False)`` (measures and logs only) and
@@ -47,6 +47,7 @@ def run(clip: bool, args: argparse.Namespace) -> dict:
         val_check_interval=args.steps,
         limit_val_batches=4,
         num_sanity_val_steps=0,
+        log_every_n_steps=1,  # QKClip logs on the steps Lightning writes: here every step
         callbacks=[QKClip(threshold=args.threshold, clip=clip), recorder],
         logger=False,
         enable_checkpointing=False,

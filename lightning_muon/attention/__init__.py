@@ -7,6 +7,7 @@ from lightning_muon.attention.maxima import (
     QKHeads,
     flex_attention,
     head_max_logits,
+    record_head_max_logits,
     record_max_logits,
     scaled_dot_product_attention,
 )
@@ -20,6 +21,7 @@ __all__ = [
     "head_max_logits",
     "hf_qk_heads",
     "output_factors",
+    "record_head_max_logits",
     "record_max_logits",
     "register_attention",
     "scaled_dot_product_attention",

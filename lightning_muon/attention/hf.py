@@ -23,7 +23,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_muon.attention.maxima import QKHeads, head_max_logits, is_recording, record_max_logits
+from lightning_muon.attention.maxima import QKHeads, is_recording, record_head_max_logits
 
 __all__ = ["ATTENTION_NAME", "enable_hf_recording", "hf_qk_heads", "is_hf_module", "register_attention"]
 
@@ -59,8 +59,7 @@ def _qk_clip_sdpa(
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         causal = bool(causal) and attention_mask is None and query.shape[2] > 1
         keys = key[:, :, : query.shape[2]] if causal and key.shape[2] > query.shape[2] else key
-        maxima = head_max_logits(query, keys, scale=scaling, attn_mask=attention_mask, is_causal=causal)
-        record_max_logits(module, maxima)
+        record_head_max_logits(module, query, keys, scale=scaling, attn_mask=attention_mask, is_causal=causal)
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
     )

@@ -19,6 +19,10 @@ The protocol, for any attention module:
   :func:`scaled_dot_product_attention` / :func:`flex_attention` with ``module=self``,
   which do that for it. The maxima accumulate (a running MAX over micro-batches) in
   ``module.qk_clip_max_logits`` until the callback reads and clears them.
+  :func:`record_head_max_logits` (what the SDPA drop-in calls) also honours
+  ``module.qk_clip_exact_above``: on the steps whose values are not logged the callback
+  sets it to its threshold, and a layer whose every head is bounded under it by the norms
+  of q and k records those bounds instead of running ``Q K^T`` (none can be clipped).
 """
 
 from __future__ import annotations
@@ -36,6 +40,7 @@ __all__ = [
     "flex_attention",
     "head_max_logits",
     "is_recording",
+    "record_head_max_logits",
     "record_max_logits",
     "scaled_dot_product_attention",
 ]
@@ -134,6 +139,25 @@ def record_max_logits(module: nn.Module, max_logits: Tensor) -> None:
     module.qk_clip_max_logits = max_logits if previous is None else torch.maximum(previous, max_logits)
 
 
+def record_head_max_logits(
+    module: nn.Module,
+    query: Tensor,
+    key: Tensor,
+    *,
+    scale: float | None = None,
+    attn_mask: Tensor | None = None,
+    is_causal: bool = False,
+) -> None:
+    """:func:`head_max_logits` of one attention call, folded into ``module``'s maxima (:func:`record_max_logits`).
+
+    Passes ``module.qk_clip_exact_above`` (set by the callback: its threshold on the steps
+    whose values are not logged, None on the others) as ``exact_above``.
+    """
+    exact_above = getattr(module, "qk_clip_exact_above", None)
+    maxima = head_max_logits(query, key, scale=scale, attn_mask=attn_mask, is_causal=is_causal, exact_above=exact_above)
+    record_max_logits(module, maxima)
+
+
 @torch.no_grad()
 def head_max_logits(
     query: Tensor,
@@ -142,6 +166,7 @@ def head_max_logits(
     scale: float | None = None,
     attn_mask: Tensor | None = None,
     is_causal: bool = False,
+    exact_above: float | None = None,
 ) -> Tensor:
     """Largest ``scale * q . k`` per query head over batch, queries and allowed keys; shape ``(H,)``.
 
@@ -155,18 +180,48 @@ def head_max_logits(
             masked; other values are biases, left out of the maximum).
         is_causal: key ``j`` allowed for query ``i`` iff ``j <= i`` (SDPA's top-left
             alignment).
+        exact_above: on a CPU, first bound every head's logits by Cauchy-Schwarz,
+            ``scale * max_i |q_i| * max_j |k_j|`` (norms only); when no head's bound exceeds
+            ``exact_above``, return the bounds instead of the maxima. QK-clip passes its
+            threshold on the steps it does not log: a head whose bound is under it cannot be
+            clipped, so only that decision is needed. Elsewhere (None, or a CUDA tensor, where
+            reading the verdict would synchronize the host) the maxima are always computed.
 
     Returns:
-        float32 ``(H,)``; ``-inf`` for a head whose every position is masked.
+        float32 ``(H,)``; ``-inf`` for a head whose every position is masked (or the
+        bounds, each at most ``exact_above``: see there).
 
     Cost: the ``Q K^T`` product once more (``2 * B * H * Tq * Tk * d`` FLOPs, no backward)
     and one pass over the scores, in query blocks of at most 2^24 scores.
     """
-    *batch, H, Tq, d = query.shape
-    G, Tk = key.shape[-3], key.shape[-2]
+    H, d, G = query.shape[-3], query.shape[-1], key.shape[-3]
     if H % G:
         raise ValueError(f"head_max_logits: query heads ({H}) must be a multiple of key heads ({G})")
     scale = d**-0.5 if scale is None else scale
+    if exact_above is not None and query.device.type == "cpu":
+        bound = _norm_bound(query, key, scale)
+        if bool((bound <= exact_above).all()):  # NaN compares False: measured below
+            return bound
+    return _measured_maxima(query, key, scale, attn_mask, is_causal)
+
+
+def _norm_bound(query: Tensor, key: Tensor, scale: float) -> Tensor:
+    """``(H,)`` Cauchy-Schwarz bounds ``scale * max_i |q_i| * max_j |k_j|`` of every head's logits.
+
+    Over every batch entry and position, masked or not (a larger set, so still a bound); a
+    key head's longest key serves each query head of its group.
+    """
+    *_, H, Tq, d = query.shape
+    G, Tk = key.shape[-3], key.shape[-2]
+    q_longest = torch.linalg.vector_norm(query.reshape(-1, H, Tq, d), dim=-1).amax(dim=(0, 2))  # (H,)
+    k_longest = torch.linalg.vector_norm(key.reshape(-1, G, Tk, d), dim=-1).amax(dim=(0, 2))  # (G,)
+    return scale * q_longest.float() * k_longest.float().repeat_interleave(H // G)
+
+
+def _measured_maxima(query: Tensor, key: Tensor, scale: float, attn_mask: Tensor | None, is_causal: bool) -> Tensor:
+    """:func:`head_max_logits` itself: ``Q K^T`` in query blocks, masked, reduced per head."""
+    *batch, H, Tq, d = query.shape
+    G, Tk = key.shape[-3], key.shape[-2]
     r = H // G
     q = query.reshape(-1, G, r, Tq, d)  # (B, G, r, Tq, d): the r query heads of each key head
     B = q.shape[0]
@@ -223,7 +278,7 @@ def scaled_dot_product_attention(
     alone, at no extra cost. Use it in your attention's forward with ``module=self``.
     """
     if is_recording(module):
-        record_max_logits(module, head_max_logits(query, key, scale=scale, attn_mask=attn_mask, is_causal=is_causal))
+        record_head_max_logits(module, query, key, scale=scale, attn_mask=attn_mask, is_causal=is_causal)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=enable_gqa,
