@@ -16,7 +16,7 @@ from typing import Any
 
 import torch
 from harness import dtype_name, progress, table, target, verdict
-from timing import Settings, measure, measure_pair
+from timing import Settings, measure, measure_interleaved
 from torch import Tensor
 
 from lightning_muon.newton_schulz import (
@@ -265,12 +265,15 @@ def bench_gram(settings: Settings) -> dict[str, Any]:
             for method in ("standard", "gram"):
                 out = orthogonalize(G, NS_STEPS, "polar_express", dtype, method).double()  # (m, n)
                 errors[method] = float(torch.linalg.matrix_norm(out - polar) / torch.linalg.matrix_norm(polar))
-            std, gram = measure_pair(
-                lambda G=G: orthogonalize(G, NS_STEPS, "polar_express", dtype, "standard"),
-                lambda G=G: orthogonalize(G, NS_STEPS, "polar_express", dtype, "gram"),
+            pair = measure_interleaved(
+                {
+                    method: lambda G=G, method=method: orthogonalize(G, NS_STEPS, "polar_express", dtype, method)
+                    for method in ("standard", "gram")
+                },
                 settings,
-                budget,
+                budget / 2,  # the two share the budget of one measurement
             )
+            std, gram = pair["standard"], pair["gram"]
             speedup = std.seconds / gram.seconds
             error_gap = abs(errors["gram"] - errors["standard"]) / errors["standard"]
             auto = resolve_ns_method("auto", m, n, dtype)

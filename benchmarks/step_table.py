@@ -16,7 +16,7 @@ from typing import Any
 import torch
 from harness import dtype_name, progress, table, target, verdict
 from ns_tables import NS_STEPS
-from timing import Settings, Timing, measure
+from timing import Settings, Timing, measure, measure_interleaved
 from torch import Tensor
 
 from lightning_muon.muon import Muon
@@ -130,24 +130,30 @@ def bench_step(settings: Settings) -> dict[str, Any]:
     start = time.perf_counter()
     timings: dict[tuple[tuple[int, int], str], Timing] = {}
 
-    def run(model: tuple[int, int], key: str) -> None:
+    def make_step(model: tuple[int, int], key: str) -> Callable[[], None] | None:
         hidden, other = gpt_parameters(*model, device)
         _, coefficients, ns_dtype, _ = variants[key]
         if key == "torch":
-            step = _torch_reference_step(hidden, other)
-        elif key == "heavyball":
+            return _torch_reference_step(hidden, other)
+        if key == "heavyball":
             step = _heavyball_reference_step(hidden, other)
             if step is None:
                 progress("heavyball is not installed: its rows are skipped")
-                return
-        else:
-            step = _our_step(hidden, other, coefficients, ns_dtype)
-        timings[(model, key)] = t = measure(step, settings)
+            return step
+        return _our_step(hidden, other, coefficients, ns_dtype)
+
+    def report(model: tuple[int, int], key: str, t: Timing) -> None:
+        timings[(model, key)] = t
         progress(f"step d={model[0]} x {model[1]}: {variants[key][0]}: {t.seconds * 1e3:.1f} ms x {t.reps_label}")
 
     for model in models:
-        for key in ("torch", "heavyball", "keller", "polar_express"):
-            run(model, key)
+        # The reference and ours step in turn, one step each per round, so that the machine's
+        # drift and background load fall on all alike (see ``measure_interleaved``).
+        steps = {key: make_step(model, key) for key in ("torch", "heavyball", "keller", "polar_express")}
+        measured = measure_interleaved({k: f for k, f in steps.items() if f is not None}, settings, settings.budget_s)
+        for key, t in measured.items():
+            report(model, key, t)
+        del steps
     # The forced-bf16 rows repeat the reference's slow work on CPUs without fast bf16:
     # run them, smallest model first, while the predicted cost fits in the step budget.
     skipped = {}
@@ -156,7 +162,7 @@ def bench_step(settings: Settings) -> dict[str, Any]:
         predicted = ref if ref >= settings.budget_s else ref + settings.budget_s
         remaining = settings.step_budget_s - (time.perf_counter() - start)
         if predicted <= remaining:
-            run(model, "keller_bf16")
+            report(model, "keller_bf16", measure(make_step(model, "keller_bf16"), settings))
         else:
             skipped[model] = predicted
             progress(f"step d={model[0]} x {model[1]}: bf16 row skipped (~{predicted:.0f} s, {remaining:.0f} s left)")
@@ -214,7 +220,10 @@ def bench_step(settings: Settings) -> dict[str, Any]:
         "\n== step: optimizer.step() time, ours vs torch.optim.Muon and vs heavyball.Muon (hidden),"
         " each + torch.optim.AdamW(foreach) =="
     )
-    print(f"GPT-like parameters, vocab {VOCAB}; fixed random grads; median ms over reps after one warm-up step")
+    print(
+        f"GPT-like parameters, vocab {VOCAB}; fixed random grads; median ms over reps after one warm-up step;"
+        " the reference and ours step in turn (one step each per round), the forced-bf16 row alone"
+    )
     print("reps 1* = one step exceeded the time budget, so the warm-up step is the sample")
     for model in models:
         r = next(r for r in rows if r["model"] == list(model) and "params" in r)

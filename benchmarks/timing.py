@@ -1,8 +1,8 @@
 """Timing on one device within a budget: what the kernel and step tables of ``bench_optimizer.py`` share.
 
 ``measure`` times one call (a warm-up call, then repetitions while the budget lasts);
-``measure_pair`` times two calls alternately, so that background load on a shared
-machine falls on both alike.
+``measure_interleaved`` times several calls in rounds, so that background load on a shared
+machine falls on all alike.
 """
 
 from __future__ import annotations
@@ -75,13 +75,14 @@ def measure(fn: Callable[[], Any], settings: Settings, budget_s: float | None = 
     return Timing(statistics.median(samples), len(samples), False)
 
 
-def measure_pair(
-    f: Callable[[], Any], g: Callable[[], Any], settings: Settings, budget_s: float
-) -> tuple[Timing, Timing]:
-    """Median times of ``f`` and ``g``, called alternately after one warm-up call each.
+def measure_interleaved(fns: dict[str, Callable[[], Any]], settings: Settings, budget_s: float) -> dict[str, Timing]:
+    """Median times of every call in ``fns``, taken in rounds (each called once per round).
 
-    Alternating exposes both to the same background load, which on a shared machine
-    moves more than either's own variation.
+    One warm-up call each, then rounds while the total stays within ``budget_s`` per call.
+    Interleaving exposes every call to the same background load and the same drift of the
+    machine (on a shared 2-core VM the same step measured 145 ms in one minute and 190 ms in
+    the next), which moves more than any call's own variation; a ratio of two medians taken
+    this way compares like with like.
     """
     device = settings.device
 
@@ -92,12 +93,17 @@ def measure_pair(
         sync(device)
         return time.perf_counter() - start
 
-    first_f, first_g = once(f), once(g)
-    if first_f + first_g >= budget_s:  # as in ``measure``: the warm-up calls are the samples
-        return Timing(first_f, 1, True), Timing(first_g, 1, True)
-    a: list[float] = []
-    b: list[float] = []
-    while len(a) < settings.max_reps and (not a or sum(a) + sum(b) + a[-1] + b[-1] <= budget_s):
-        a.append(once(f))
-        b.append(once(g))
-    return Timing(statistics.median(a), len(a), False), Timing(statistics.median(b), len(b), False)
+    first = {key: once(fn) for key, fn in fns.items()}
+    total_budget = budget_s * len(fns)
+    if sum(first.values()) >= total_budget:  # as in ``measure``: the warm-up calls are the samples
+        return {key: Timing(t, 1, True) for key, t in first.items()}
+    samples: dict[str, list[float]] = {key: [] for key in fns}
+    spent = 0.0
+    last_round = sum(first.values())
+    while len(next(iter(samples.values()))) < settings.max_reps and spent + last_round <= total_budget:
+        last_round = 0.0
+        for key, fn in fns.items():
+            samples[key].append(once(fn))
+            last_round += samples[key][-1]
+        spent += last_round
+    return {key: Timing(statistics.median(v), len(v), False) for key, v in samples.items()}
