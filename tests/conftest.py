@@ -8,6 +8,11 @@
   set up by hand, or a run that raised before its own teardown) gets it destroyed, so
   the next test starts without one. Multi-process tests run their ranks in spawned
   processes (``dist_utils.run_distributed``), which tear down their own.
+- A module marked ``policy_free`` (``pytestmark``) runs with ``LIGHTNING_MUON_FAST_BF16``
+  set to a value the library refuses: a test of it, its module fixtures, or any process
+  it starts (they inherit the environment) that consults the automatic bf16 policy raises.
+  So its tests provably run alike under either policy, and CI's second pass, which only
+  flips the policy, leaves them out.
 """
 
 from __future__ import annotations
@@ -17,6 +22,32 @@ from pathlib import Path
 
 import pytest
 import torch.distributed as dist
+
+from lightning_muon.newton_schulz import FAST_BF16_ENV
+
+POLICY_FREE = "policy_free"
+# Not "0", "1" or empty: bf16_matmul_is_fast raises a ValueError naming the variable.
+POLICY_TRIPWIRE = "tripwire-of-a-policy-free-test-module"
+
+
+def pytest_collection_modifyitems(config: pytest.Config, items: list[pytest.Item]) -> None:
+    for item in items:
+        if any(m.name == POLICY_FREE for m in item.own_markers):
+            raise pytest.UsageError(
+                f"{item.nodeid}: mark whole modules policy_free (pytestmark), not single tests: "
+                "the guard must cover the module's fixtures too"
+            )
+
+
+@pytest.fixture(autouse=True, scope="module")
+def _policy_free_module(request: pytest.FixtureRequest) -> Iterator[None]:
+    # Module scope, autouse: set up before the module's other module-scoped fixtures.
+    if request.node.get_closest_marker(POLICY_FREE) is None:
+        yield
+        return
+    with pytest.MonkeyPatch.context() as patch:
+        patch.setenv(FAST_BF16_ENV, POLICY_TRIPWIRE)
+        yield
 
 
 @pytest.fixture(autouse=True)

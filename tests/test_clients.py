@@ -18,7 +18,7 @@ from lightning_muon import Muon, MuonConfig, Rule, route_parameters
 from lightning_muon.functional import adjust_lr_ratio
 from lightning_muon.newton_schulz import orthogonalize
 
-pytestmark = pytest.mark.numerics
+pytestmark = [pytest.mark.numerics, pytest.mark.policy_free]  # policy_free: see conftest.py
 
 D = 16
 

@@ -9,7 +9,7 @@ from dist_utils import run_distributed
 
 from lightning_muon.distributed.comm import CommStats, all_reduce_, all_reduce_bytes, all_to_all_v
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.policy_free]  # policy_free: see conftest.py
 
 
 def _exchange(rank: int, world: int) -> dict:
@@ -60,3 +60,23 @@ def test_all_reduce_bytes_is_the_ring_cost():
     assert all_reduce_bytes(1000, 4, 1) == 0
     assert all_reduce_bytes(1000, 4, 2) == 4000
     assert all_reduce_bytes(900, 2, 3) == pytest.approx(2 * 2 / 3 * 1800)
+
+
+def _consult_policy(rank: int, world: int) -> str:
+    from lightning_muon.newton_schulz import bf16_matmul_is_fast
+
+    try:
+        bf16_matmul_is_fast("cpu")
+    except ValueError as err:
+        return str(err)
+    return "the policy answered"
+
+
+def test_a_policy_free_module_trips_on_the_policy_here_and_in_its_ranks():
+    """The guard of ``policy_free`` modules (conftest.py): consulting the bf16 policy raises, in ranks too."""
+    from lightning_muon.newton_schulz import FAST_BF16_ENV, resolve_ns_dtype
+
+    with pytest.raises(ValueError, match=FAST_BF16_ENV):
+        resolve_ns_dtype(None, "cpu", torch.float32)
+    assert resolve_ns_dtype("float32", "cpu", torch.float32) == torch.float32  # a pinned dtype asks nothing
+    assert all(FAST_BF16_ENV in answer for answer in run_distributed(_consult_policy, 2))

@@ -19,7 +19,7 @@ from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 from lightning_muon import MuonConfig, MuonDDPStrategy
 from lightning_muon.distributed.planning import plan_ownership
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.policy_free]  # policy_free: see conftest.py
 
 # fp32 Newton-Schulz: bf16 would turn reduction-order noise into percent-level differences.
 CONFIG = MuonConfig(lr=0.02, weight_decay=0.1, ns_dtype="float32", adamw_lr=1e-2)

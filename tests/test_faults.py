@@ -18,6 +18,7 @@ from lightning_muon import Muon, MuonConfig, MuonDDPStrategy, MuonFSDPStrategy, 
 from lightning_muon.strategies._checkpoint import CheckpointReadError, explained_reads
 
 ROOT = Path(__file__).resolve().parents[1]
+pytestmark = pytest.mark.policy_free  # see conftest.py
 
 
 @pytest.mark.distributed

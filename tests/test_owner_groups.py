@@ -21,7 +21,7 @@ from torch.nn.parallel import DistributedDataParallel
 from lightning_muon import Muon, MuonDDPStrategy, route_parameters
 from lightning_muon.distributed.sharded import MuonSharding
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.policy_free]  # policy_free: see conftest.py
 
 
 def test_arguments_are_checked():

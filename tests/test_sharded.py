@@ -12,7 +12,7 @@ from lightning_muon import Muon, route_parameters
 from lightning_muon.distributed.comm import all_reduce_bytes
 from lightning_muon.distributed.sharded import MuonSharding
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.policy_free]  # policy_free: see conftest.py
 
 STEPS = 6
 BATCH = 12  # divisible by 2 and 3

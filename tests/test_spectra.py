@@ -47,7 +47,7 @@ from lightning_muon.metrics import (
 from lightning_muon_demo.data import CharTextDataModule
 from lightning_muon_demo.module import CharGPTModule
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.policy_free]  # policy_free: see conftest.py
 
 F64 = dict(rtol=1e-12, atol=1e-12)
 # The spectra of a 2-rank run against one process: parameters agree to ~1e-6 (fp32 Newton-Schulz,

@@ -22,7 +22,7 @@ from lightning_muon import Muon, MuonConfig, MuonFSDPStrategy, Rule
 from lightning_muon.distributed.tensor_parallel import MuonTPSharding
 from lightning_muon.distributed.tp_math import tp_bytes
 
-pytestmark = pytest.mark.distributed
+pytestmark = [pytest.mark.distributed, pytest.mark.policy_free]  # policy_free: see conftest.py
 
 # fp32 Newton-Schulz throughout. The ranks sum gradients, Gram matrices and norms in another
 # order than one process: a few ulps per step. Measured at most 3e-7 (duplicated, distributed)

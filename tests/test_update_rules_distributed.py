@@ -12,7 +12,7 @@ from torch.testing import assert_close
 from lightning_muon import Muon, route_parameters
 from lightning_muon.distributed.sharded import MuonSharding
 
-pytestmark = [pytest.mark.numerics, pytest.mark.distributed]
+pytestmark = [pytest.mark.numerics, pytest.mark.distributed, pytest.mark.policy_free]  # see conftest.py
 
 # ------------------------------------------------------- distributed: equal to one process
 
