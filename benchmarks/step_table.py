@@ -149,15 +149,18 @@ def bench_step(settings: Settings) -> dict[str, Any]:
     for model in models:
         # The reference and ours step in turn, one step each per round, so that the machine's
         # drift and background load fall on all alike (see ``measure_interleaved``).
-        steps = {key: make_step(model, key) for key in ("torch", "heavyball", "keller", "polar_express")}
+        # Where bf16 is this device's automatic dtype the forced-bf16 row costs what ours
+        # does: it steps in the same rounds.
+        keys = ("torch", "heavyball", "keller", "polar_express") + (("keller_bf16",) if auto == "bfloat16" else ())
+        steps = {key: make_step(model, key) for key in keys}
         measured = measure_interleaved({k: f for k, f in steps.items() if f is not None}, settings, settings.budget_s)
         for key, t in measured.items():
             report(model, key, t)
         del steps
-    # The forced-bf16 rows repeat the reference's slow work on CPUs without fast bf16:
-    # run them, smallest model first, while the predicted cost fits in the step budget.
+    # Elsewhere the forced-bf16 rows repeat the reference's slow work (CPUs without fast
+    # bf16): run them alone, smallest model first, while the predicted cost fits the budget.
     skipped = {}
-    for model in models:
+    for model in models if auto != "bfloat16" else ():
         ref = timings[(model, "torch")].seconds
         predicted = ref if ref >= settings.budget_s else ref + settings.budget_s
         remaining = settings.step_budget_s - (time.perf_counter() - start)
@@ -222,7 +225,8 @@ def bench_step(settings: Settings) -> dict[str, Any]:
     )
     print(
         f"GPT-like parameters, vocab {VOCAB}; fixed random grads; median ms over reps after one warm-up step;"
-        " the reference and ours step in turn (one step each per round), the forced-bf16 row alone"
+        " the reference and ours step in turn (one step each per round); the forced-bf16 row with them where"
+        " bf16 is the automatic dtype, else alone"
     )
     print("reps 1* = one step exceeded the time budget, so the warm-up step is the sample")
     for model in models:
