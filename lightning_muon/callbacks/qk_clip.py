@@ -67,9 +67,9 @@ def _data_parallel_group(trainer: pl.Trainer) -> Any:
 def _loggers_write_this_step(trainer: pl.Trainer) -> bool:
     """Whether Lightning passes this training step's logged values to the loggers.
 
-    Lightning's own rule (``log_every_n_steps``, the last step, ``fast_dev_run``), read from
-    its logger connector in ``on_train_batch_end``, before the step's metrics are written;
-    True where a Lightning version does not expose it.
+    Lightning's own rule (``log_every_n_steps``, a stopping trainer, ``fast_dev_run``), read
+    from its logger connector; it counts the step about to end, so it holds from the
+    batch's start to its end. True where a Lightning version does not expose it.
     """
     connector = getattr(trainer, "_logger_connector", None)
     return bool(getattr(connector, "should_update_logs", True)) or bool(trainer.fast_dev_run)
