@@ -41,7 +41,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -50,7 +49,7 @@ import torch
 import torch.nn.functional as F
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import TrainClock, describe_machine, machine_line, sync  # a sibling script, not a package
+from harness import describe_machine, machine_line, sync, timed_fit  # a sibling script, not a package
 
 from lightning_muon import QKClip
 from lightning_muon.attention import maxima
@@ -145,26 +144,11 @@ def _fit(
         max_chars=300_000,
         train_samples_per_epoch=shape["batch_size"] * steps,
     )
-    clock = TrainClock()
     clip = _TimedQKClip(threshold=100.0) if clipped else None
     from lightning.pytorch.loggers import CSVLogger
 
-    trainer = pl.Trainer(
-        accelerator=device.type,
-        devices=[device.index or 0] if device.type == "cuda" else "auto",
-        max_steps=steps,
-        logger=CSVLogger(workdir, name="clipped" if clipped else "baseline"),
-        callbacks=[clock] + ([clip] if clip else []),
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        limit_val_batches=0,
-        log_every_n_steps=log_every,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(model, data)
-    seconds = clock.end - clock.start
+    logger = CSVLogger(workdir, name="clipped" if clipped else "baseline")
+    seconds = timed_fit(model, data, device, steps, logger, [clip] if clip else [], log_every)
     return {
         "clipped": clipped,
         "log_every_n_steps": log_every,

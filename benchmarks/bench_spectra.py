@@ -29,7 +29,6 @@ import statistics
 import sys
 import tempfile
 import time
-import warnings
 from pathlib import Path
 from typing import Any
 
@@ -37,7 +36,7 @@ import lightning.pytorch as pl
 import torch
 
 sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import TrainClock, check_device, describe_machine, machine_line, sync  # a sibling script, not a package
+from harness import check_device, describe_machine, machine_line, sync, timed_fit  # a sibling script, not a package
 
 from lightning_muon import UpdateSpectrumMonitor
 from lightning_muon_demo.data import CharTextDataModule
@@ -100,8 +99,7 @@ def _fit(
         max_chars=300_000,
         train_samples_per_epoch=shape["batch_size"] * steps,
     )
-    clock = TrainClock()
-    callbacks: list[pl.Callback] = [clock]
+    callbacks: list[pl.Callback] = []
     monitor = _TimedMonitor(every_n_steps=every) if monitored else None
     if monitor is not None:
         callbacks.append(monitor)
@@ -113,22 +111,7 @@ def _fit(
         from lightning.pytorch.loggers import CSVLogger
 
         logger = CSVLogger(workdir, name="monitored" if monitored else "baseline")
-    trainer = pl.Trainer(
-        accelerator=device.type,
-        devices=[device.index or 0] if device.type == "cuda" else "auto",
-        max_steps=steps,
-        logger=logger,
-        callbacks=callbacks,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        enable_checkpointing=False,
-        limit_val_batches=0,
-        log_every_n_steps=every,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")
-        trainer.fit(model, data)
-    seconds = clock.end - clock.start
+    seconds = timed_fit(model, data, device, steps, logger, callbacks, every)
     return {
         "monitored": monitored,
         "seconds": seconds,

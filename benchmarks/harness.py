@@ -30,6 +30,7 @@ import statistics
 import sys
 import tempfile
 import time
+import warnings
 from collections.abc import Callable
 from dataclasses import asdict, dataclass
 from pathlib import Path
@@ -197,6 +198,35 @@ class TrainClock(pl.Callback):
     def on_train_end(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
         sync(pl_module.device)
         self.end = time.perf_counter()
+
+
+def timed_fit(
+    model: pl.LightningModule,
+    data: pl.LightningDataModule,
+    device: torch.device,
+    steps: int,
+    logger: Any,
+    callbacks: list[pl.Callback],
+    log_every_n_steps: int,
+) -> float:
+    """Seconds of ``steps`` training steps (``TrainClock``: setup excluded), without validation or checkpoints."""
+    clock = TrainClock()
+    trainer = pl.Trainer(
+        accelerator=device.type,
+        devices=[device.index or 0] if device.type == "cuda" else "auto",
+        max_steps=steps,
+        logger=logger,
+        callbacks=[clock, *callbacks],
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        enable_checkpointing=False,
+        limit_val_batches=0,
+        log_every_n_steps=log_every_n_steps,
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # small-dataset and logging notices
+        trainer.fit(model, data)
+    return clock.end - clock.start
 
 
 def progress(message: str) -> None:
