@@ -93,11 +93,13 @@ def full_state(model: pl.LightningModule) -> dict[str, torch.Tensor]:
     return {n: (p.full_tensor() if isinstance(p, DTensor) else p).detach().clone() for n, p in model.named_parameters()}
 
 
-def fit_worker(rank: int, world_size: int, strategy: str, steps: int, root: str) -> dict[str, Any]:
+def fit_worker(
+    rank: int, world_size: int, strategy: str, steps: int, root: str, cap_forward: bool = False
+) -> dict[str, Any]:
     """A ``Trainer.fit`` of ``PlantedGPT`` with ``QKClip`` on a process ``run_distributed`` started."""
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes made outside Lightning, as torchrun's
     model = PlantedGPT()
-    clip = QKClip(threshold=TAU)
+    clip = QKClip(threshold=TAU, cap_forward=cap_forward)
     fit = trainer(Path(root), steps, [clip], devices=world_size, strategy=strategy)
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # small-dataset notices

@@ -124,11 +124,15 @@ def test_tensor_parallel_example_runs_on_four_processes(tmp_path):
 
 def test_qk_clip_example_writes_report_and_plot(tmp_path):
     out = tmp_path / "run"
-    stdout = _run(
-        str(ROOT / "examples/qk_clip/main.py"), "--steps", "2", "--accelerator", "cpu", "--out", str(out), cwd=tmp_path
-    )
-    assert "QKClip(threshold=100): max logit" in stdout
+    # A threshold under the fresh model's logits (~0.1), so both clipped runs act from step 1.
+    args = ("--steps", "2", "--threshold", "0.05", "--accelerator", "cpu", "--out", str(out))
+    stdout = _run(str(ROOT / "examples/qk_clip/main.py"), *args, cwd=tmp_path)
+    assert "QKClip(threshold=0.05, cap_forward=True): max logit" in stdout
     assert (out / "max_logit.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
     report = json.loads((out / "report.json").read_text())
-    assert [len(r["max_logit"]) for r in report["runs"].values()] == [2, 2]
-    assert all(math.isfinite(r["val_loss"]) for r in report["runs"].values())
+    runs = report["runs"]
+    assert [len(r["max_logit"]) for r in runs.values()] == [2, 2, 2]
+    assert all(math.isfinite(r["val_loss"]) for r in runs.values())
+    capped = runs["QKClip(threshold=0.05, cap_forward=True)"]
+    assert min(capped["forward_max_logit"]) > 0.05 and max(capped["max_logit"]) == 0.05
+    assert runs["without QK-clip"]["max_logit"] == runs["without QK-clip"]["forward_max_logit"]

@@ -31,8 +31,9 @@ from qk_clip_modules import (
 from torch import nn
 
 from lightning_muon import QKClip
-from lightning_muon.attention import QKHeads, clip_factors, head_max_logits
+from lightning_muon.attention import QKHeads, capped_query, clip_factors, head_max_logits, record_max_logits
 from lightning_muon.attention import maxima as maxima_module
+from lightning_muon.attention.maxima import is_recording
 
 ROOT = Path(__file__).resolve().parents[1]
 # Q and K scaled by eta^alpha and eta^(1-alpha) in fp32: the recomputed maximum is tau up
@@ -122,6 +123,8 @@ def test_gqa_rule_and_bad_arguments():
         (dict(alpha=1.5), "alpha"),
         (dict(names=[]), "names"),
         (dict(clip="yes"), "clip"),
+        (dict(cap_forward=1), "cap_forward"),
+        (dict(cap_forward=True, clip=False), "needs clip=True"),
     ):
         with pytest.raises(ValueError, match=match):
             QKClip(**bad)
@@ -227,6 +230,106 @@ def test_planted_heads_land_on_tau_and_the_rest_stay_bitwise(tmp_path):
                 logged[f"qk_clip/max_logit/model.blocks.{layer}.attn"], s_before[layer].max(), rtol=1e-5, atol=0
             )
         torch.testing.assert_close(logged["qk_clip/max_logit"], s_before.max(), rtol=1e-5, atol=0)
+
+
+def _spy_softmax_logits(monkeypatch) -> list[torch.Tensor]:
+    """Replace torch's SDPA by itself plus a record of the ``(H,)`` max logits it is handed (training forwards).
+
+    What the softmax of each attention call actually saw, by hand from the query and key it
+    received (the drop-in and transformers' SDPA path both call torch's function).
+    """
+    seen = []
+    real = torch.nn.functional.scaled_dot_product_attention
+
+    def spy(query, key, value, attn_mask=None, dropout_p=0.0, is_causal=False, scale=None, **kwargs):
+        if torch.is_grad_enabled():
+            Tq, Tk = query.shape[-2], key.shape[-2]
+            allowed = torch.ones(Tq, Tk, dtype=torch.bool)
+            if is_causal:
+                allowed = allowed.tril()
+            if attn_mask is not None:
+                keep = attn_mask if attn_mask.dtype == torch.bool else attn_mask > torch.finfo(attn_mask.dtype).min / 2
+                allowed = allowed & keep
+            seen.append(_brute_max(query.detach(), key.detach(), allowed, scale or query.shape[-1] ** -0.5))
+        return real(query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
+                    **kwargs)  # fmt: skip
+
+    monkeypatch.setattr(torch.nn.functional, "scaled_dot_product_attention", spy)
+    return seen
+
+
+def test_cap_forward_keeps_every_training_softmax_under_tau(tmp_path, monkeypatch):
+    # Real Muon steps (lr 0.02) on the planted model. By default the step's forward uses the
+    # planted heads' logits as they are (far over tau) and the clip follows the step; with
+    # cap_forward every softmax of every step gets logits <= tau, including those the
+    # previous update pushed back over it.
+    seen = _spy_softmax_logits(monkeypatch)
+    _fit(tmp_path / "default", 3, [QKClip(threshold=TAU)])
+    default = torch.stack(seen)  # (steps x layers, H)
+    seen.clear()
+    _, fit = _fit(tmp_path / "cap", 3, [QKClip(threshold=TAU, cap_forward=True)])
+    capped = torch.stack(seen)
+    assert capped.shape == default.shape == (3 * 2, HEADS)
+    assert default[0, PLANTED[0]].min() > 10 * TAU  # the spy sees the uncapped logits
+    assert torch.all(capped <= TAU * (1 + ROUNDING)), capped
+    # Layer 0 of the first forward (same weights and inputs in both runs): the planted head
+    # lands on tau, not under it, and the other head's queries pass bitwise unchanged.
+    first, other = PLANTED[0][0], 1 - PLANTED[0][0]
+    torch.testing.assert_close(capped[0, first], torch.tensor(TAU), rtol=ROUNDING, atol=0)
+    assert torch.equal(capped[0, other], default[0, other])
+    # The weights are still clipped after each step, by the maxima before the cap (the
+    # capped ones never exceed tau, so no head would count as clipped).
+    assert fit.callbacks[0].clipped_heads_total >= 2
+
+
+class _SelfRecordingAttention(nn.Module):
+    """A protocol attention that records its maxima itself (``record_max_logits``), optionally capping."""
+
+    def __init__(self, cap: bool) -> None:
+        super().__init__()
+        self.qkv = nn.Linear(EMBD, 3 * EMBD)
+        self.cap = cap
+
+    def qk_clip_heads(self) -> QKHeads:
+        return QKHeads(self.qkv.weight, self.qkv.weight, HEADS, HEADS, EMBD // HEADS, k_offset=EMBD)
+
+    def forward(self, x: torch.Tensor) -> torch.Tensor:
+        q, k, v = (t.view(*x.shape[:2], HEADS, -1).transpose(1, 2) for t in self.qkv(x).split(EMBD, dim=2))
+        if is_recording(self):
+            maxima = head_max_logits(q, k, is_causal=True)
+            record_max_logits(self, maxima)
+            if self.cap:
+                q = capped_query(self, q, maxima)
+        return torch.nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True).sum()
+
+
+class _SelfRecordingModule(pl.LightningModule):
+    def __init__(self, cap: bool) -> None:
+        super().__init__()
+        torch.manual_seed(0)
+        self.attn = _SelfRecordingAttention(cap)
+
+    def train_dataloader(self) -> torch.utils.data.DataLoader:
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(torch.randn(4, BLOCK, EMBD)), batch_size=4)
+
+    def training_step(self, batch, batch_idx):
+        return self.attn(batch[0])
+
+    def configure_optimizers(self):
+        return torch.optim.SGD(self.parameters(), lr=0.0)
+
+
+def test_cap_forward_refuses_an_attention_that_records_without_capping(tmp_path):
+    with pytest.raises(ValueError, match="'attn'.*without capping"):
+        _fit(tmp_path / "no", 1, [QKClip(threshold=0.01, cap_forward=True)], model=_SelfRecordingModule(cap=False))
+    _, fit = _fit(tmp_path / "yes", 2, [QKClip(threshold=0.01, cap_forward=True)], model=_SelfRecordingModule(cap=True))
+    assert fit.global_step == 2 and fit.callbacks[0].clipped_heads_total > 0
+    # flex attention hands out its maxima after the attention: no cap possible there.
+    module = nn.Linear(1, 1)
+    module.qk_clip_recording, module.qk_clip_cap = True, 1.0
+    q = torch.randn(1, HEADS, BLOCK, 4)
+    with pytest.raises(ValueError, match="cap_forward"):
+        maxima_module.flex_attention(q, q, q, module=module)
 
 
 class _HFModule(pl.LightningModule):
@@ -341,6 +444,22 @@ def test_hugging_face_attention_gqa_and_fused_c_attn(tmp_path, kind):
     assert untouched and all(torch.equal(params[n], start[n]) for n in untouched)
 
 
+@pytest.mark.parametrize("kind", ["llama_gqa", "gpt2_c_attn"])
+def test_cap_forward_through_the_hugging_face_attention_function(tmp_path, monkeypatch, kind):
+    # The registered transformers function caps per query head: with GQA, query head 0
+    # (planted) lands on tau while head 1, on the same key head, keeps its logits.
+    module, _, maxima = _hf_case(kind)
+    s_before = maxima()
+    seen = _spy_softmax_logits(monkeypatch)
+    _fit(tmp_path, 1, [QKClip(threshold=TAU, cap_forward=True)], model=module)
+    (used,) = seen
+    planted = 0 if kind == "llama_gqa" else 2
+    torch.testing.assert_close(used[planted], torch.tensor(TAU), rtol=ROUNDING, atol=0)
+    rest = torch.arange(len(used)) != planted
+    torch.testing.assert_close(used[rest], s_before[rest], rtol=1e-5, atol=1e-6)
+    assert torch.all(used[rest] < TAU)
+
+
 def test_checkpoint_and_resume_equal_an_uninterrupted_run(tmp_path):
     # Muon steps with the planted heads clipped; 2 + 2 steps through a checkpoint against 4.
     straight, fit = _fit(tmp_path / "straight", 4, [QKClip(threshold=TAU)])
@@ -386,6 +505,17 @@ def test_two_ranks_equal_one_process(tmp_path, strategy):
             torch.testing.assert_close(
                 result["params"][name], ref, rtol=1e-5, atol=2e-6, msg=lambda m, n=name, r=rank: f"rank {r} {n}: {m}"
             )
+
+
+@pytest.mark.distributed
+def test_cap_forward_on_two_ranks_keeps_the_replicas_equal(tmp_path):
+    # Each rank caps its own forward by its own maxima (no collective inside the forward);
+    # the weights are clipped after the step by the maxima of both, so replicas stay equal.
+    results = run_distributed(fit_worker, 2, "muon_ddp", 2, str(tmp_path), True)
+    assert [r["step"] for r in results] == [2, 2]
+    assert results[0]["clipped"] == results[1]["clipped"] >= 2
+    for name, p in results[0]["params"].items():
+        assert torch.isfinite(p).all() and torch.equal(p, results[1]["params"][name]), name
 
 
 def test_yaml_config_trains_with_qk_clip_and_logs_to_csv(tmp_path):

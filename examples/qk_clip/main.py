@@ -1,11 +1,15 @@
 """QK-clip on the demo GPT at a high Muon lr: the max attention logit per step, with and without.
 
-    python examples/qk_clip/main.py                   # 80 steps each (~15 s on 2 CPU cores), or a GPU
+    python examples/qk_clip/main.py                   # 80 steps each (~5 s a run on 2 CPU cores), or a GPU
     python examples/qk_clip/main.py --steps 20        # a quick look
 
-Two runs from the same seed and data: ``QKClip(clip=False)`` (measures and logs only) and
-``QKClip(threshold=100)``. Prints each run's largest logit and final validation loss, and
-writes ``report.json`` and ``max_logit.png`` (max logit per step, both runs) to ``--out``.
+Three runs from the same seed and data: ``QKClip(clip=False)`` (measures and logs only),
+``QKClip(threshold=100)`` (Kimi K2's clip, after each step) and
+``QKClip(threshold=100, cap_forward=True)`` (the same clip, and every training forward caps
+its own heads over 100). For each step the largest logit a training softmax used: the
+forward's maximum, or for the capped run ``min(maximum, 100)``, which is what the cap makes
+of it (the tests check the softmax's inputs). Prints each run's largest such logit and
+final validation loss, and writes ``report.json`` and ``max_logit.png`` to ``--out``.
 """
 
 from __future__ import annotations
@@ -32,7 +36,7 @@ class MaxLogitRecorder(pl.Callback):
         self.values.append(float(trainer.callback_metrics["qk_clip/max_logit"]))
 
 
-def run(clip: bool, args: argparse.Namespace) -> dict:
+def run(clip: QKClip, args: argparse.Namespace) -> dict:
     pl.seed_everything(0, verbose=False)
     config = MuonConfig(
         lr=args.lr, weight_decay=0.0, adjust_lr="match_rms_adamw", adamw_lr=3e-3, warmup=0, falloff="constant"
@@ -48,7 +52,7 @@ def run(clip: bool, args: argparse.Namespace) -> dict:
         limit_val_batches=4,
         num_sanity_val_steps=0,
         log_every_n_steps=1,  # QKClip logs on the steps Lightning writes: here every step
-        callbacks=[QKClip(threshold=args.threshold, clip=clip), recorder],
+        callbacks=[clip, recorder],
         logger=False,
         enable_checkpointing=False,
         enable_progress_bar=False,
@@ -57,7 +61,9 @@ def run(clip: bool, args: argparse.Namespace) -> dict:
     with warnings.catch_warnings():
         warnings.simplefilter("ignore")  # small-dataset notices
         trainer.fit(model, data)
-    return {"max_logit": recorder.values, "val_loss": float(trainer.callback_metrics["val_loss"])}
+    forward = recorder.values  # each step's maximum before any cap or clip
+    used = [min(v, clip.threshold) for v in forward] if clip.cap_forward else forward
+    return {"max_logit": used, "forward_max_logit": forward, "val_loss": float(trainer.callback_metrics["val_loss"])}
 
 
 def plot(runs: dict, threshold: float, path: Path) -> None:
@@ -66,15 +72,19 @@ def plot(runs: dict, threshold: float, path: Path) -> None:
     matplotlib.use("Agg")
     import matplotlib.pyplot as plt
 
-    fig, ax = plt.subplots(figsize=(7, 3.6))
-    for label, result in runs.items():
-        ax.plot(range(1, len(result["max_logit"]) + 1), result["max_logit"], label=label)
+    fig, ax = plt.subplots(figsize=(7.5, 4))
+    for (label, result), color in zip(runs.items(), ("C0", "C1", "C2")):
+        steps = range(1, len(result["max_logit"]) + 1)
+        ax.plot(steps, result["max_logit"], color=color, label=label)
+        if result["forward_max_logit"] != result["max_logit"]:
+            ax.plot(steps, result["forward_max_logit"], color=color, linestyle=":", linewidth=1,
+                    label=f"{label}: its forward's maximum before the cap")  # fmt: skip
     ax.axhline(threshold, color="gray", linestyle="--", linewidth=1, label=f"tau = {threshold:g}")
     ax.set_yscale("log")
     ax.set_xlabel("optimizer step")
-    ax.set_ylabel("max logit in the step's forward")
-    ax.set_title("Demo GPT at Muon lr 0.1: largest attention logit per step")
-    ax.legend()
+    ax.set_ylabel("largest logit a training softmax used")
+    ax.set_title("Demo GPT at Muon lr 0.1: largest attention logit per step", fontsize=10)
+    ax.legend(fontsize=8)
     fig.tight_layout()
     fig.savefig(path, dpi=110)
     plt.close(fig)
@@ -89,13 +99,18 @@ def main() -> None:
     parser.add_argument("--out", type=Path, default=Path("runs/qk_clip"))
     args = parser.parse_args()
     args.out.mkdir(parents=True, exist_ok=True)
-    runs = {"without QK-clip": run(False, args), f"QKClip(threshold={args.threshold:g})": run(True, args)}
+    tau = args.threshold
+    runs = {
+        "without QK-clip": run(QKClip(threshold=tau, clip=False), args),
+        f"QKClip(threshold={tau:g})": run(QKClip(threshold=tau), args),
+        f"QKClip(threshold={tau:g}, cap_forward=True)": run(QKClip(threshold=tau, cap_forward=True), args),
+    }
     device = torch.cuda.get_device_name() if torch.cuda.is_available() and args.accelerator != "cpu" else "CPU"
     report = {"device": device, "steps": args.steps, "lr": args.lr, "threshold": args.threshold, "runs": runs}
     (args.out / "report.json").write_text(json.dumps(report, indent=1))
     plot(runs, args.threshold, args.out / "max_logit.png")
     for label, result in runs.items():
-        print(f"{label:>24}: max logit {max(result['max_logit']):9.1f}   final val loss {result['val_loss']:.4f}")
+        print(f"{label:>42}: max logit {max(result['max_logit']):9.1f}   final val loss {result['val_loss']:.4f}")
     print(f"device: {device}; wrote {args.out / 'report.json'} and {args.out / 'max_logit.png'}")
 
 

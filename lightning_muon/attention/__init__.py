@@ -5,6 +5,7 @@ from lightning_muon.attention.hf import hf_qk_heads, register_attention
 from lightning_muon.attention.maxima import (
     QKClipAttention,
     QKHeads,
+    capped_query,
     flex_attention,
     head_max_logits,
     record_head_max_logits,
@@ -16,6 +17,7 @@ __all__ = [
     "QKClipAttention",
     "QKHeads",
     "apply_qk_clip",
+    "capped_query",
     "clip_factors",
     "flex_attention",
     "head_max_logits",

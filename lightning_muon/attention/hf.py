@@ -4,8 +4,9 @@ transformers routes every attention call of its models through ``AttentionInterf
 (``ALL_ATTENTION_FUNCTIONS[config._attn_implementation]``) with the post-RoPE query
 ``(B, H, T, d)``, the key ``(B, G, T, d)`` (before GQA's ``repeat_kv``), the mask and the
 scale. :func:`register_attention` registers ``"qk_clip_sdpa"``: it measures the per-head
-maxima on the calling module (when recording), then runs transformers' own SDPA
-attention unchanged. :func:`hf_qk_heads` reads where Q and K live:
+maxima on the calling module (when recording; with ``QKClip(cap_forward=True)`` it also
+caps the heads over the threshold, :func:`~lightning_muon.attention.maxima.capped_query`),
+then runs transformers' own SDPA attention. :func:`hf_qk_heads` reads where Q and K live:
 
 - Llama-style ``q_proj`` / ``k_proj`` (Llama, Mistral, Qwen2, ...): ``H`` query and
   ``G = num_key_value_heads`` key heads of ``head_dim`` rows each; biases when present;
@@ -23,7 +24,7 @@ from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_muon.attention.maxima import QKHeads, is_recording, record_head_max_logits
+from lightning_muon.attention.maxima import QKHeads, capped_query, is_recording, record_head_max_logits
 
 __all__ = ["ATTENTION_NAME", "enable_hf_recording", "hf_qk_heads", "is_hf_module", "register_attention"]
 
@@ -59,7 +60,8 @@ def _qk_clip_sdpa(
         causal = getattr(module, "is_causal", True) if is_causal is None else is_causal
         causal = bool(causal) and attention_mask is None and query.shape[2] > 1
         keys = key[:, :, : query.shape[2]] if causal and key.shape[2] > query.shape[2] else key
-        record_head_max_logits(module, query, keys, scale=scaling, attn_mask=attention_mask, is_causal=causal)
+        maxima = record_head_max_logits(module, query, keys, scale=scaling, attn_mask=attention_mask, is_causal=causal)
+        query = capped_query(module, query, maxima)  # QKClip(cap_forward=True); else query itself
     return sdpa_attention_forward(
         module, query, key, value, attention_mask, dropout=dropout, scaling=scaling, is_causal=is_causal, **kwargs
     )

@@ -23,6 +23,11 @@ The protocol, for any attention module:
   ``module.qk_clip_exact_above``: on the steps whose values are not logged the callback
   sets it to its threshold, and a layer whose every head is bounded under it by the norms
   of q and k records those bounds instead of running ``Q K^T`` (none can be clipped).
+- ``QKClip(cap_forward=True)`` also sets ``module.qk_clip_cap`` (its threshold): the
+  forward then passes its queries through :func:`capped_query` with the maxima it just
+  recorded, so that no head's logit above the threshold reaches the softmax. The SDPA
+  drop-in and the transformers function do; a module that records through
+  :func:`record_max_logits` itself must too (the callback checks that it did).
 """
 
 from __future__ import annotations
@@ -37,6 +42,7 @@ from torch import Tensor, nn
 __all__ = [
     "QKClipAttention",
     "QKHeads",
+    "capped_query",
     "flex_attention",
     "head_max_logits",
     "is_recording",
@@ -147,15 +153,35 @@ def record_head_max_logits(
     scale: float | None = None,
     attn_mask: Tensor | None = None,
     is_causal: bool = False,
-) -> None:
+) -> Tensor:
     """:func:`head_max_logits` of one attention call, folded into ``module``'s maxima (:func:`record_max_logits`).
 
     Passes ``module.qk_clip_exact_above`` (set by the callback: its threshold on the steps
-    whose values are not logged, None on the others) as ``exact_above``.
+    whose values are not logged, None on the others) as ``exact_above``. Returns this
+    call's ``(H,)`` maxima (for :func:`capped_query`).
     """
     exact_above = getattr(module, "qk_clip_exact_above", None)
     maxima = head_max_logits(query, key, scale=scale, attn_mask=attn_mask, is_causal=is_causal, exact_above=exact_above)
     record_max_logits(module, maxima)
+    return maxima
+
+
+def capped_query(module: nn.Module, query: Tensor, max_logits: Tensor) -> Tensor:
+    """``query`` ``(..., H, T, d)`` with each head whose max logit exceeds ``module.qk_clip_cap`` scaled under it.
+
+    Head ``h`` with ``max_logits[h] = S_h > cap`` has its queries multiplied by
+    ``cap / S_h``, so its logits in this call scale by exactly that factor and their
+    maximum lands on the cap (to the rounding of ``query``'s dtype); other heads are
+    multiplied by exactly 1 (bitwise unchanged). The factor is a constant to autograd.
+    ``query`` itself when the module has no cap (``QKClip(cap_forward=True)`` sets it).
+    """
+    cap = getattr(module, "qk_clip_cap", None)
+    if cap is None:
+        return query
+    module.qk_clip_capped = True
+    max_logits = max_logits.detach()
+    eta = torch.where(max_logits > cap, cap / max_logits, torch.ones_like(max_logits))  # (H,); NaN: 1
+    return query * eta.to(device=query.device, dtype=query.dtype).view(-1, 1, 1)
 
 
 @torch.no_grad()
@@ -274,11 +300,14 @@ def scaled_dot_product_attention(
     Same arguments and result as torch's function. When ``module`` is recording (a
     ``QKClip`` callback is attached and the module is in training mode), the per-head
     maxima of ``scale * q . k`` over the allowed positions (:func:`head_max_logits`) are
-    folded into ``module.qk_clip_max_logits`` first; otherwise this is torch's function
-    alone, at no extra cost. Use it in your attention's forward with ``module=self``.
+    folded into ``module.qk_clip_max_logits`` first, and with ``QKClip(cap_forward=True)``
+    the heads over its threshold are capped for this call (:func:`capped_query`);
+    otherwise this is torch's function alone, at no extra cost. Use it in your attention's
+    forward with ``module=self``.
     """
     if is_recording(module):
-        record_head_max_logits(module, query, key, scale=scale, attn_mask=attn_mask, is_causal=is_causal)
+        maxima = record_head_max_logits(module, query, key, scale=scale, attn_mask=attn_mask, is_causal=is_causal)
+        query = capped_query(module, query, maxima)
     return F.scaled_dot_product_attention(
         query, key, value, attn_mask=attn_mask, dropout_p=dropout_p, is_causal=is_causal, scale=scale,
         enable_gqa=enable_gqa,
@@ -311,6 +340,11 @@ def flex_attention(
 
     if not is_recording(module):
         return _flex(query, key, value, score_mod, block_mask, scale, enable_gqa, **kwargs)
+    if getattr(module, "qk_clip_cap", None) is not None:
+        raise ValueError(
+            "flex_attention: QKClip(cap_forward=True) needs the maxima before the attention, and flex attention "
+            "returns them after it; use lightning_muon.attention.scaled_dot_product_attention, or cap_forward=False"
+        )
     if query.device.type != "cuda":
         raise ValueError(
             f"flex_attention: recording max scores needs CUDA under torch {torch.__version__} (query is on "

@@ -95,7 +95,15 @@ class QKClip(Callback):
     head of the group at or under ``tau``; ``lightning_muon.attention.clip``).
 
     The maxima are those of the step's own forward, taken before the update, as in Kimi K2
-    and Megatron; the next forward's logits differ by what the step changed.
+    and Megatron; the next forward's logits differ by what the step changed (at a high lr
+    one Muon update can raise a head's maximum by tens of percent, and another batch has
+    another maximum), so the forwards of a clipped run can still see logits somewhat over
+    ``tau``. ``cap_forward=True`` closes that gap: each training forward also caps, for
+    itself, every head whose maximum in that forward exceeds ``tau`` (its queries times
+    ``tau / S_h`` before the softmax, the factor the clip will give the head's logits;
+    ``lightning_muon.attention.capped_query``), so no training softmax ever sees a logit
+    over ``tau``. The weights are clipped after the step as above, by the maxima before the
+    cap. The factor is a constant to autograd.
 
     Which modules: every module of the LightningModule implementing the protocol
     (``qk_clip_heads()`` plus recording through
@@ -120,6 +128,15 @@ class QKClip(Callback):
             baseline run).
         log_per_layer: log ``qk_clip/max_logit/<module name>`` for each layer (the
             model-wide maximum and the clipped count are always logged).
+        cap_forward: also cap each training forward's logits at ``threshold`` (above);
+            needs ``clip=True``. Attention recording through the SDPA drop-in or the
+            transformers function is capped by them; one that records its own maxima must
+            pass its queries through ``capped_query`` (the callback raises otherwise).
+            Flex attention returns its maxima only after the attention, so it cannot be
+            capped (it raises). Under data parallelism each rank caps its forward by its
+            own maxima (no collective inside the forward), so a run on several ranks is
+            not bit for bit a one-process run on the whole batch; the weights are still
+            clipped alike on every rank.
 
     Raises:
         ValueError: on a bad argument (naming it), when the model has no attention module
@@ -142,7 +159,9 @@ class QKClip(Callback):
         itself (``lightning_muon.attention.flex_attention``, CUDA).
         ``benchmarks/bench_qk_clip.py`` measures the share of the step: on a 2-core CPU,
         1.9% for the demo model at Lightning's default logging interval, 5.6% when every
-        step is measured exactly; 0.6% and 2.0% at d=512.
+        step is measured exactly; 0.6% and 2.0% at d=512. ``cap_forward`` needs the
+        exact maxima in every forward where a head's norm bound exceeds ``threshold`` (on
+        CPU; on CUDA always), as on a logged step, plus one multiply over the queries.
 
         Distributed: the maxima are MAX-reduced over the data-parallel ranks, so every
         rank computes the same factors. Under ``muon_ddp`` each replica scales its
@@ -162,6 +181,7 @@ class QKClip(Callback):
         names: Sequence[str] | None = None,
         clip: bool = True,
         log_per_layer: bool = True,
+        cap_forward: bool = False,
     ) -> None:
         if isinstance(threshold, bool) or not isinstance(threshold, (int, float)) or not 0 < threshold < math.inf:
             raise ValueError(f"QKClip: threshold must be a finite number > 0, got {threshold!r}")
@@ -171,14 +191,17 @@ class QKClip(Callback):
             names = [names] if isinstance(names, str) else list(names)
             if not names or not all(isinstance(n, str) and n for n in names):
                 raise ValueError(f"QKClip: names must be None or a non-empty list of non-empty strings, got {names!r}")
-        for flag, value in (("clip", clip), ("log_per_layer", log_per_layer)):
+        for flag, value in (("clip", clip), ("log_per_layer", log_per_layer), ("cap_forward", cap_forward)):
             if not isinstance(value, bool):
                 raise ValueError(f"QKClip: {flag} must be a bool, got {value!r}")
+        if cap_forward and not clip:
+            raise ValueError("QKClip: cap_forward=True caps logits at the threshold the clip keeps; it needs clip=True")
         self.threshold = float(threshold)
         self.alpha = float(alpha)
         self.names = names
         self.clip = clip
         self.log_per_layer = log_per_layer
+        self.cap_forward = cap_forward
         self._clipped_total = 0
         self._pending: Tensor | None = None
         self._modules: list[tuple[str, nn.Module, Callable[[], QKHeads]]] = []
@@ -216,6 +239,8 @@ class QKClip(Callback):
             module.qk_clip_recording = True
             module.qk_clip_max_logits = None
             module.qk_clip_exact_above = None
+            module.qk_clip_cap = self.threshold if self.cap_forward else None
+            module.qk_clip_capped = False
 
     @override
     def on_train_start(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> None:
@@ -241,6 +266,8 @@ class QKClip(Callback):
         if trainer.global_step == self._last_step:
             return  # accumulating gradients: no step yet, the maxima keep folding
         self._last_step = trainer.global_step
+        if self.cap_forward:
+            self._check_capped()
         maxima = self._reduced_maxima(trainer, pl_module)
         # Lightning hands on_step values to the loggers only every log_every_n_steps steps (a
         # value logged in between is overwritten unseen), and each LightningModule.log call
@@ -267,6 +294,17 @@ class QKClip(Callback):
         for _, module, _ in self._modules:
             module.qk_clip_max_logits = None
 
+    def _check_capped(self) -> None:
+        """Raise for a module that recorded maxima this step without capping its queries (cap_forward)."""
+        for name, module, _ in self._modules:
+            if getattr(module, "qk_clip_max_logits", None) is not None and not module.qk_clip_capped:
+                raise ValueError(
+                    f"QKClip(cap_forward=True): attention {name!r} ({type(module).__name__}) recorded its maxima "
+                    "without capping its queries: record through lightning_muon.attention.scaled_dot_product_attention"
+                    "(..., module=self), or pass the query through lightning_muon.attention.capped_query"
+                )
+            module.qk_clip_capped = False
+
     def _reduced_maxima(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Tensor]:
         """Each layer's ``(H,)`` maxima of this step, MAX-reduced over ranks in one packed all-reduce."""
         layers = []
@@ -286,6 +324,8 @@ class QKClip(Callback):
             module.qk_clip_recording = False
             module.qk_clip_max_logits = None
             module.qk_clip_exact_above = None
+            module.qk_clip_cap = None
+            module.qk_clip_capped = False
         self._modules = []
 
     @override
