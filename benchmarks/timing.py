@@ -82,7 +82,10 @@ def measure_interleaved(fns: dict[str, Callable[[], Any]], settings: Settings, b
     Interleaving exposes every call to the same background load and the same drift of the
     machine (on a shared 2-core VM the same step measured 145 ms in one minute and 190 ms in
     the next), which moves more than any call's own variation; a ratio of two medians taken
-    this way compares like with like.
+    this way compares like with like. The order turns by one call each round, so every call
+    follows every other equally often: a call that leaves the machine slow for a moment (a
+    compiled step's OpenMP threads still spinning, caches full of its data) does not always
+    fall on the same neighbour.
     """
     device = settings.device
 
@@ -98,12 +101,14 @@ def measure_interleaved(fns: dict[str, Callable[[], Any]], settings: Settings, b
     if sum(first.values()) >= total_budget:  # as in ``measure``: the warm-up calls are the samples
         return {key: Timing(t, 1, True) for key, t in first.items()}
     samples: dict[str, list[float]] = {key: [] for key in fns}
+    order = list(fns)
     spent = 0.0
     last_round = sum(first.values())
     while len(next(iter(samples.values()))) < settings.max_reps and spent + last_round <= total_budget:
         last_round = 0.0
-        for key, fn in fns.items():
-            samples[key].append(once(fn))
+        turn = len(next(iter(samples.values()))) % len(order)
+        for key in order[turn:] + order[:turn]:
+            samples[key].append(once(fns[key]))
             last_round += samples[key][-1]
         spent += last_round
     return {key: Timing(statistics.median(v), len(v), False) for key, v in samples.items()}

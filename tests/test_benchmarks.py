@@ -81,3 +81,17 @@ def test_distributed_benchmarks_refuse_more_ranks_than_gpus(name, monkeypatch, c
     assert exit_info.value.code == 2, stderr[-3000:]
     assert "one GPU per rank" in stderr and "--world-size 2" in stderr
     assert f"torch.cuda.device_count() is {torch.cuda.device_count()}" in stderr
+
+
+def test_interleaved_rounds_turn_so_every_call_follows_every_other():
+    from timing import Settings, measure_interleaved
+
+    calls: list[str] = []
+    fns = {key: (lambda key=key: calls.append(key)) for key in "abc"}
+    settings = Settings(torch.device("cpu"), quick=False, budget_s=60.0, max_reps=6, step_budget_s=60.0)
+    timings = measure_interleaved(fns, settings, budget_s=60.0)
+    assert {key: t.reps for key, t in timings.items()} == {"a": 6, "b": 6, "c": 6}
+    rounds = calls[3:]  # after one warm-up call each
+    assert ["".join(rounds[i : i + 3]) for i in range(0, 18, 3)] == ["abc", "bca", "cab", "abc", "bca", "cab"]
+    neighbours = {(x, y) for x, y in zip(rounds, rounds[1:])}
+    assert {(x, y) for x in "abc" for y in "abc" if x != y} <= neighbours
