@@ -78,16 +78,9 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
     shows in the max, -inf in the min). Measured on CPU at 20x faster than ``isfinite().all()``
     or an inf-norm, which both make a full-size temporary or a slower reduction.
     """
-    # The 0-d extremes go into one stack (which promotes mixed dtypes: no value is rounded to
-    # a narrower type): per tensor one op, which is what counts with many small tensors
-    # (a d=64 x 12 GPT's 98 gradients: 0.41 ms against 0.64 ms with a stack per tensor).
-    extremes: list[Tensor] = []
-    device = None
-    for t in tensors:
-        if t.numel():
-            device = device or t.device
-            extremes.extend(e if e.device == device else e.to(device) for e in torch.aminmax(t))
-    return not extremes or bool(torch.stack(extremes).isfinite().all())
+    # torch.cat promotes mixed dtypes; no value is rounded to a narrower type on the way.
+    extremes = [torch.stack(torch.aminmax(t)).to(tensors[0].device) for t in tensors if t.numel()]
+    return not extremes or bool(torch.cat(extremes).isfinite().all())
 
 
 def matrix_views(

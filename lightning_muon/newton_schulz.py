@@ -546,10 +546,8 @@ def orthogonalize_many(
 ) -> list[Tensor]:
     """``[orthogonalize(M) for M in matrices]``, with same-shape small matrices batched.
 
-    Matrices are bucketed by (rows, cols, device, dtype): a tall matrix is stacked and
-    iterated as it lies (``X^T X``), so it goes into its stack and comes out of it by
-    contiguous copies (a transposing copy took 7x as long at 256 x 64 in bf16); Gram
-    Newton-Schulz stacks tall ones transposed. Buckets of matrices with at most
+    Matrices are bucketed by (short side, long side, device, dtype); a tall matrix
+    joins the bucket of its transpose. Buckets of matrices with at most
     ``BATCH_MAX_ELEMENTS`` elements each are stacked into one batched iteration;
     larger matrices run one by one. Inputs with batch dims are treated as one item.
     ``method`` is resolved per bucket, as ``orthogonalize`` does per matrix.
@@ -570,25 +568,21 @@ def orthogonalize_many(
             alone = _orthogonalize(M, steps, coefficients, dtype, method, donate)
             out[i] = alone if keep_work_dtype else alone.to(M.dtype)
             continue
-        key = (rows, cols, M.device, M.dtype)
+        key = (min(rows, cols), max(rows, cols), M.device, M.dtype)
         buckets.setdefault(key, []).append(i)
-    for (rows, cols, _, _), idx in buckets.items():
-        chunk = max(1, _STACK_MAX_ELEMENTS // (rows * cols))
+    for (m, n, _, _), idx in buckets.items():
+        chunk = max(1, _STACK_MAX_ELEMENTS // (m * n))
         for start in range(0, len(idx), chunk):
             part = idx[start : start + chunk]
             first = matrices[part[0]]
-            bucket_method, work_dtype = _method_and_dtype(method, rows, cols, dtype, first)
-            if bucket_method == "gram" and rows > cols:  # Gram Newton-Schulz iterates wide
-                stacked = [matrices[i].mT for i in part]
-            else:  # a tall stack is iterated as it lies (X^T X): contiguous copies in and out
-                stacked = [matrices[i] for i in part]
-            # One copy into the stack, cast to the work dtype on the way.
-            X = first.new_empty(len(part), *stacked[0].shape, dtype=work_dtype)
-            for k, M in enumerate(stacked):
-                X[k].copy_(M)
-            result = _newton_schulz_(X, schedule, norm, bucket_method)  # (K, *stacked shape)
+            bucket_method, work_dtype = _method_and_dtype(method, m, n, dtype, first)
+            # One copy into the stack, cast to the work dtype and laid wide on the way.
+            X = first.new_empty(len(part), m, n, dtype=work_dtype)
+            for k, i in enumerate(part):
+                X[k].copy_(matrices[i] if matrices[i].shape[0] == m else matrices[i].mT)
+            result = _newton_schulz_(X, schedule, norm, bucket_method)  # (K, m, n)
             if not keep_work_dtype:
                 result = result.to(first.dtype)
             for k, i in enumerate(part):
-                out[i] = result[k] if result.shape[-2:] == (rows, cols) else result[k].mT
+                out[i] = result[k] if matrices[i].shape[0] == m else result[k].mT
     return out  # type: ignore[return-value]
