@@ -36,12 +36,12 @@ from harness import (
     verdict,
     write_report,
 )
-from ns_tables import bench_accuracy, bench_batching, bench_gram, bench_roofline
+from ns_tables import bench_accuracy, bench_batching, bench_gram, bench_roofline, bench_symmetric
 from step_table import bench_step
 from timing import Settings
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_optimizer.json"
-SECTIONS = ("accuracy", "step", "roofline", "batching", "gram")
+SECTIONS = ("accuracy", "step", "roofline", "batching", "gram", "symmetric")
 
 
 # ---------------------------------------------------------------- main
@@ -52,6 +52,7 @@ BENCHES: dict[str, Callable[[Settings], dict[str, Any]]] = {
     "roofline": bench_roofline,
     "batching": bench_batching,
     "gram": bench_gram,
+    "symmetric": bench_symmetric,
 }
 
 

@@ -1,9 +1,10 @@
-"""The Newton-Schulz tables of ``bench_optimizer.py``: accuracy, roofline, batching and Gram.
+"""The Newton-Schulz tables of ``bench_optimizer.py``: accuracy, roofline, batching, Gram, symmetric.
 
 - accuracy: error against the float64 SVD polar factor per coefficient schedule and dtype;
 - roofline: Newton-Schulz throughput as a fraction of the same matmuls alone;
 - batching: a loop of ``orthogonalize`` against ``orthogonalize_many`` and one stacked call;
-- gram: standard against Gram Newton-Schulz on wide matrices, time and error.
+- gram: standard against Gram Newton-Schulz on wide matrices, time and error;
+- symmetric: the symmetric products (``S S^T``, ``A A``) dense against 2 x 2 blocks.
 
 Each ``bench_*`` prints its table and returns its rows and targets for the JSON report.
 benchmarks/README.md says what each table measures and which targets it checks.
@@ -31,6 +32,13 @@ from lightning_muon.newton_schulz import (
     resolve_ns_dtype,
     resolve_ns_method,
 )
+from lightning_muon.symmetric import (
+    SYMMETRIC_MIN_LONG_SIDE,
+    SYMMETRIC_MIN_SHORT_SIDE,
+    gram_,
+    square_,
+    symmetric_blocks,
+)
 
 NS_STEPS = 5
 
@@ -39,7 +47,20 @@ PE_OVER_KELLER_MAX = 0.8
 ROOFLINE_MIN = 0.85
 ROOFLINE_FROM_DIM = 384
 GRAM_SPEEDUP_MIN = 1.3  # standard / gram time on m x 4m, m >= GRAM_MIN_SHORT_SIDE
-GRAM_ERROR_RTOL = 1e-3  # "equal error": |err gram - err standard| <= this * err standard
+GRAM_ERROR_RTOL = 1e-3
+# Shapes (short side, long side) of the symmetric table: around the thresholds and beyond.
+SYMMETRIC_SHAPES = (
+    (256, 1024),
+    (384, 384),
+    (384, 768),
+    (384, 1536),
+    (512, 512),
+    (512, 2048),
+    (768, 768),
+    (768, 3072),
+    (1024, 1024),
+    (1024, 4096),
+)  # "equal error": |err gram - err standard| <= this * err standard
 
 # Where bf16 matmul has no fast kernel (AVX2-only CPUs: ~1-20 GFLOP/s against ~150 in
 # fp32), bf16 roofline entries above this many FLOPs per call are skipped.
@@ -331,3 +352,60 @@ def bench_gram(settings: Settings) -> dict[str, Any]:
         "rows": rows,
         "targets": targets,
     }
+
+
+# ---------------------------------------------------------------- symmetric
+
+
+def _symmetric_calls(S: Tensor, A: Tensor, out: Tensor, b: float, c: float) -> dict[str, Any]:
+    return {
+        "gram dense": lambda: gram_(S, A, False),
+        "gram blocks": lambda: gram_(S, A, True),
+        "square dense": lambda: square_(A, out, b, c, False),
+        "square blocks": lambda: square_(A, out, b, c, True),
+    }
+
+
+def bench_symmetric(settings: Settings) -> dict[str, Any]:
+    """Newton-Schulz's symmetric products, dense against 2 x 2 blocks, per shape and dtype.
+
+    ``gram``: ``A = S S^T`` of a k x n matrix; ``square``: ``b A + c A A`` of the k x k result.
+    ``picks`` is what ``symmetric_blocks`` chooses for a matrix iterated alone on this device.
+    """
+    device = settings.device
+    shapes = ((32, 64),) if settings.quick else SYMMETRIC_SHAPES
+    dtypes = [torch.float32] + ([torch.bfloat16] if bf16_matmul_is_fast(device) else [])
+    budget = min(settings.budget_s, 1.0)
+    b, c = COEFFICIENTS["keller"][0][1:]
+    rows, table_rows = [], []
+    for dtype in dtypes:
+        for k, n in shapes:
+            S = torch.randn(k, n, device=device, dtype=dtype) / math.sqrt(n)  # (k, n)
+            A, out = S.new_empty(k, k), S.new_empty(k, k)  # (k, k)
+            gram_(S, A, False)
+            times = measure_interleaved(_symmetric_calls(S, A, out, b, c), settings, budget / 4)
+            ratios = {p: times[f"{p} blocks"].seconds / times[f"{p} dense"].seconds for p in ("gram", "square")}
+            picks = symmetric_blocks(k, n, dtype, device)
+            rows.append({"shape": [k, n], "dtype": dtype_name(dtype), "blocks_over_dense": ratios, "picks": picks})
+            progress(f"symmetric {dtype_name(dtype)} {k}x{n}: gram {ratios['gram']:.3f}, square {ratios['square']:.3f}")
+            table_rows.append(
+                [
+                    dtype_name(dtype),
+                    f"{k}x{n}",
+                    times["gram dense"].seconds * 1e3,
+                    ratios["gram"],
+                    "blocks" if picks[0] else "dense",
+                    times["square dense"].seconds * 1e3,
+                    ratios["square"],
+                    "blocks" if picks[1] else "dense",
+                ]
+            )
+    print("\n== symmetric: Gram and square products of Newton-Schulz, dense vs 2 x 2 blocks ==")
+    print(
+        "blocks/dense: time ratio (calls alternated, medians); picks: lightning_muon.symmetric.symmetric_blocks "
+        f"(short side >= {SYMMETRIC_MIN_SHORT_SIDE}, long side >= {SYMMETRIC_MIN_LONG_SIDE} for the Gram "
+        "product; the square in float32/float64 only; CPU only)"
+    )
+    headers = ["dtype", "shape", "gram ms", "blocks/dense", "picks", "square ms", "blocks/dense", "picks"]
+    print(table(headers, table_rows))
+    return {"rows": rows}

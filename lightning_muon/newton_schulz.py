@@ -40,6 +40,8 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
+from lightning_muon.symmetric import gram_, square_, symmetric_blocks
+
 __all__ = [
     "BATCH_MAX_ELEMENTS",
     "COEFFICIENTS",
@@ -485,21 +487,20 @@ def _newton_schulz_(X: Tensor, schedule: list[Coefficients], norm: Normalization
 
 
 def _iterate_2d(X: Tensor, schedule: list[Coefficients]) -> Tensor:
+    """One matrix: the batched iteration's products, the symmetric ones by blocks where that pays."""
     m, n = X.shape
     tall = m > n
     k = min(m, n)
+    gram_blocks, square_blocks = symmetric_blocks(k, max(m, n), X.dtype, X.device)
     A = X.new_empty(k, k)  # (k, k) Gram matrix of the short side
     B = X.new_empty(k, k)
     Y = torch.empty_like(X)  # (m, n)
     for a, b, c in schedule:
-        if tall:
-            torch.mm(X.mT, X, out=A)
-        else:
-            torch.mm(X, X.mT, out=A)
+        gram_(X.mT if tall else X, A, gram_blocks)  # the short side laid wide: (k, long) view
         if c == 0.0:
             torch.mul(A, b, out=B)
         else:
-            torch.addmm(A, A, A, beta=b, alpha=c, out=B)
+            square_(A, B, b, c, square_blocks)
         if tall:
             torch.addmm(X, X, B, beta=a, out=Y)  # a X + X B (B is symmetric)
         else:

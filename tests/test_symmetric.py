@@ -1,0 +1,110 @@
+"""Newton-Schulz's symmetric products by 2 x 2 blocks: the same values as the dense products.
+
+Every dtype is pinned: nothing here reads the host's bf16 policy.
+"""
+
+from __future__ import annotations
+
+import pytest
+import torch
+
+import lightning_muon.symmetric as sym
+from lightning_muon.newton_schulz import orthogonalize, orthogonalize_many
+from lightning_muon.symmetric import gram_, square_, symmetric_blocks
+
+pytestmark = [pytest.mark.numerics, pytest.mark.policy_free]  # policy_free: see conftest.py
+
+DTYPES = [torch.float32, torch.bfloat16, torch.float64]
+
+
+@pytest.mark.parametrize("dtype", DTYPES)
+@pytest.mark.parametrize(("k", "n", "tall"), [(16, 48, False), (17, 40, False), (9, 9, False), (15, 44, True)])
+def test_gram_by_blocks_equals_the_dense_product(k, n, tall, dtype):
+    gen = torch.Generator().manual_seed(k * n)
+    X = torch.randn(n, k, generator=gen).to(dtype) if tall else torch.randn(k, n, generator=gen).to(dtype)
+    S = X.mT if tall else X  # (k, n): a tall matrix's short side, as the iteration sees it (a view)
+    dense = gram_(S, torch.empty(k, k, dtype=dtype), blocks=False)
+    blocks = gram_(S, torch.full((k, k), float("nan"), dtype=dtype), blocks=True)  # every entry written
+    # Each entry is the same dot product over n either way; kernels may sum it in another order
+    # at another block size (at Muon's sizes measured bitwise equal): the classic bound for a
+    # dot product, n eps |s_i| |s_j|, plus one rounding of the output.
+    norms = S.double().norm(dim=1).max().item() ** 2
+    eps = torch.finfo(torch.float32 if dtype == torch.bfloat16 else dtype).eps
+    out_ulp = 2**-8 if dtype == torch.bfloat16 else eps
+    torch.testing.assert_close(blocks, dense, rtol=0, atol=n * eps * norms + out_ulp * dense.abs().max().item())
+    h = k // 2
+    assert torch.equal(blocks[h:, :h], blocks[:h, h:].mT)  # the lower block is the upper one mirrored
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.float64])
+@pytest.mark.parametrize("k", [8, 13])
+def test_square_by_blocks_equals_the_dense_product(k, dtype):
+    gen = torch.Generator().manual_seed(k)
+    S = torch.randn(k, 3 * k, generator=gen, dtype=dtype) / k
+    A = S @ S.mT  # (k, k) symmetric
+    b, c = -4.775, 2.0315
+    dense = square_(A, torch.empty_like(A), b, c, blocks=False)
+    blocks = square_(A, torch.full_like(A, float("nan")), b, c, blocks=True)
+    # Each block sums two products: one more rounding of a partial sum, a few units of eps
+    # of the largest entry (k-term dot products, as in the dense product).
+    eps = torch.finfo(dtype).eps
+    atol = 4 * k * eps * (abs(b) * A.abs().max().item() + abs(c) * (A @ A).abs().max().item())
+    torch.testing.assert_close(blocks, dense, rtol=0, atol=atol)
+    torch.testing.assert_close(blocks, b * A + c * A @ A, rtol=0, atol=atol)
+    h = k // 2
+    assert torch.equal(blocks[h:, :h], blocks[:h, h:].mT)
+
+
+def test_the_rule_picks_blocks_only_where_measured_faster():
+    cpu = torch.device("cpu")
+    short, long = sym.SYMMETRIC_MIN_SHORT_SIDE, sym.SYMMETRIC_MIN_LONG_SIDE
+    assert symmetric_blocks(short, long, torch.bfloat16, cpu) == (True, False)  # bf16: never the square
+    assert symmetric_blocks(short, long, torch.float32, cpu) == (True, True)
+    assert symmetric_blocks(short, short, torch.float32, cpu) == (short >= long, True)
+    assert symmetric_blocks(short - 1, 4 * long, torch.float32, cpu) == (False, False)
+    assert symmetric_blocks(4 * short, 4 * long, torch.float32, torch.device("meta")) == (False, False)
+    assert symmetric_blocks(4 * short, 4 * long, torch.bfloat16, torch.device("cuda")) == (False, False)
+
+
+@pytest.fixture
+def small_blocks(monkeypatch):
+    """The block products from tiny sizes on, so that a test's small matrices take them."""
+    monkeypatch.setattr(sym, "SYMMETRIC_MIN_SHORT_SIDE", 4)
+    monkeypatch.setattr(sym, "SYMMETRIC_MIN_LONG_SIDE", 8)
+
+
+def _dense(monkeypatch):
+    monkeypatch.setattr(sym, "SYMMETRIC_MIN_SHORT_SIDE", 1 << 30)
+
+
+@pytest.mark.parametrize("shape", [(24, 72), (72, 24), (33, 33)])
+def test_orthogonalize_with_blocks_equals_the_dense_iteration(shape, small_blocks, monkeypatch):
+    G = torch.randn(*shape, generator=torch.Generator().manual_seed(1))
+    blocked = {d: orthogonalize(G, dtype=d) for d in (torch.bfloat16, torch.float32)}
+    _dense(monkeypatch)
+    dense = {d: orthogonalize(G, dtype=d) for d in (torch.bfloat16, torch.float32, torch.float64)}
+    # bf16 blocks only the Gram product, whose entries are the dense product's (bitwise equal
+    # on the CPUs measured). Where a kernel sums in another order, the difference is of the
+    # bf16 iteration's own rounding, which five steps amplify: bounded by the dense bf16
+    # iteration's distance from the same iteration in float64.
+    bf16_noise = (dense[torch.bfloat16].double() - dense[torch.float64]).norm()
+    assert (blocked[torch.bfloat16] - dense[torch.bfloat16]).double().norm() <= bf16_noise
+    # float32 also blocks the square (one more rounding of a partial sum per step): five
+    # steps amplify eps-level differences to about 1e-6 of the result (measured 1.6e-6 at 384
+    # to 768 wide), far under Newton-Schulz's own distance from the polar factor (~0.3).
+    torch.testing.assert_close(blocked[torch.float32], dense[torch.float32], rtol=1e-5, atol=1e-5)
+
+
+def test_every_matrix_iterated_alone_asks_the_rule(small_blocks, monkeypatch):
+    monkeypatch.setattr("lightning_muon.newton_schulz.BATCH_MAX_ELEMENTS", 16)  # 12 x 36 runs alone
+    calls = []
+
+    def spy(S, out, blocks):
+        calls.append((tuple(S.shape), blocks))
+        return sym.gram_(S, out, blocks)
+
+    monkeypatch.setattr("lightning_muon.newton_schulz.gram_", spy)
+    orthogonalize_many([torch.randn(12, 36), torch.randn(36, 12), torch.randn(3, 5)], dtype=torch.float32)
+    # Tall or wide, the Gram product is of the short side (12 x 36); 3 x 5 (a stack of one) is
+    # under the thresholds. Five steps each.
+    assert calls == [((12, 36), True)] * 10 + [((3, 5), False)] * 5
