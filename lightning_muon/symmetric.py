@@ -1,31 +1,25 @@
-r"""Symmetric products of Newton-Schulz by 2 x 2 blocks: the same values for fewer FLOPs.
+r"""Symmetric products of Newton-Schulz by row blocks: the same entries for 3/4 of the FLOPs.
 
-Two of a Newton-Schulz step's three products make symmetric matrices: the Gram matrix
-``A = S S^T`` of the short side (``S`` is ``X`` laid wide, ``k x n``, ``k <= n``) and the
-square ``A A`` of a symmetric ``A``. A general matmul computes both triangles. Cut the
-short side in halves, ``S = [S_1; S_2]``, and three block products give the whole::
+Both symmetric products of a Newton-Schulz step have the form ``S S^T``: the Gram matrix
+``A = S S^T`` of the short side (``S`` is ``X`` laid wide, ``k x n``, ``k <= n``), and the
+square ``A A = A A^T`` of the symmetric ``A`` (``S = A``, ``n = k``). A general matmul
+computes both triangles. Cut ``S`` into two row blocks, ``S = [S_1; S_2]``; three products
+give the whole::
 
-    A_11 = S_1 S_1^T    A_12 = S_1 S_2^T    A_22 = S_2 S_2^T    A_21 = A_12^T   # (3/4) 2 k^2 n FLOPs
+    P_11 = S_1 S_1^T    P_12 = S_1 S_2^T    P_22 = S_2 S_2^T    P_21 = P_12^T      # (3/4) 2 k^2 n FLOPs
 
-Every entry is still one whole dot product over ``n``, rounded once, so the result is the
-full product's (the same entries; exactly symmetric). For ``B = b A + c A A``::
-
-    B_11 = b A_11 + c (A_11 A_11 + A_12 A_12^T)
-    B_12 = b A_12 + c (A_11 A_12 + A_12 A_22)       B_21 = B_12^T
-    B_22 = b A_22 + c (A_12^T A_12 + A_22 A_22)                                     # (3/4) 2 k^3 FLOPs
-
-where each block is accumulated in two products: its partial sum is rounded once more,
-which float32 absorbs and bf16 would not, so the square is cut in blocks in float32 and
-float64 only. The third product, ``B X``, has no symmetric output and stays whole.
+Every entry is still one whole dot product over ``n``, rounded once: the dense product's
+entries (bitwise equal on the CPUs measured), in any dtype. ``B = b A + c A A`` takes ``b A``
+into the same three calls (``addmm``). The third product of a step, ``B X``, has no
+symmetric output and stays whole.
 
 Halves run under the matmul kernel's best rate at small sizes, so blocks are used only
 where they were measured faster, on the CPU (benchmarks/bench_optimizer.py, section
-"symmetric": AMD EPYC, 2 cores, AVX512-BF16, torch 2.13.0+cpu). Block products of bf16
-``S S^T`` over dense ones: 0.91 at 384 x 768, 0.88 at 384 x 1536, 0.83-0.88 from 512 x 1024
-to 768 x 1536, 0.79-0.82 at 1024 and 1536; 1.00-1.02 at 384 x 384. In float32 the Gram
-product gains 0.79-0.87 and the square 0.82-0.93 from a short side of 384. Batched (stacked)
-products lose (bmm into block views: 1.3-1.6x slower in bf16) and keep the dense ones; so
-does CUDA, where no GPU was at hand to measure them.
+"symmetric"; AMD EPYC, 2 cores, AVX512-BF16, torch 2.13.0+cpu). Blocks over dense, bf16:
+1.00-1.02 at 384 x 384, 0.91 at 384 x 768, 0.88 at 384 x 1536, 0.83-0.90 at 768 x 768 to
+768 x 3072, 0.76-0.87 at 1024; float32: 0.79-0.87 from 384 x 384 on. Stacked matrices
+(bmm into block views: 1.3-1.6x slower in bf16) keep the dense products; so does CUDA,
+where no GPU was at hand to measure them.
 
 References:
     Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., 2002, ch. 22
@@ -39,48 +33,55 @@ from torch import Tensor
 
 __all__ = ["SYMMETRIC_MIN_LONG_SIDE", "SYMMETRIC_MIN_SHORT_SIDE", "gram_", "square_", "symmetric_blocks"]
 
-# Smallest short and long side from which the block products run faster (see the module
-# docstring for the measurements): 384 x 384 in bf16 gains nothing, 384 x 768 gains 9%.
+# A product S S^T of a k x n matrix S is cut in blocks from k = 384 and n = 768 (measured:
+# 384 x 384 gains nothing in bf16, 384 x 768 gains 9%, 768 x 768 10-15%).
 SYMMETRIC_MIN_SHORT_SIDE = 384
 SYMMETRIC_MIN_LONG_SIDE = 768
 
-_FULL_PRECISION = (torch.float32, torch.float64)
 
+def symmetric_blocks(short: int, long: int, device: torch.device) -> tuple[bool, bool]:
+    """``(Gram product by blocks, square by blocks)`` for a ``short x long`` matrix iterated alone.
 
-def symmetric_blocks(short: int, long: int, dtype: torch.dtype, device: torch.device) -> tuple[bool, bool]:
-    """``(Gram product by blocks, square by blocks)`` for one ``short x long`` matrix iterated alone.
-
-    Blocks where they were measured faster: on the CPU, from a short side of
-    ``SYMMETRIC_MIN_SHORT_SIDE`` and a long side of ``SYMMETRIC_MIN_LONG_SIDE`` for the Gram
-    product in any dtype; the square (whose blocks round a partial sum) in float32 and
-    float64 only, from a short side of ``SYMMETRIC_MIN_SHORT_SIDE``.
+    On the CPU, a product ``S S^T`` of a ``k x n`` ``S`` is cut where ``k >=
+    SYMMETRIC_MIN_SHORT_SIDE`` and ``n >= SYMMETRIC_MIN_LONG_SIDE``: the Gram product is
+    ``short x long``, the square ``short x short``.
     """
-    if device.type != "cpu" or short < SYMMETRIC_MIN_SHORT_SIDE:
+    if device.type != "cpu":
         return False, False
-    return long >= SYMMETRIC_MIN_LONG_SIDE, dtype in _FULL_PRECISION
+
+    def pays(k: int, n: int) -> bool:
+        return k >= SYMMETRIC_MIN_SHORT_SIDE and n >= SYMMETRIC_MIN_LONG_SIDE
+
+    return pays(short, long), pays(short, short)
+
+
+def _s_st_(S: Tensor, out: Tensor, blocks: bool, C: Tensor | None, beta: float, alpha: float) -> Tensor:
+    """``out <- beta C + alpha S S^T`` (``C`` symmetric, or None for ``beta = 0``)."""
+
+    def product(rows: slice, cols: slice) -> None:
+        Si, Sj = S[rows], S[cols]
+        if C is None:
+            torch.mm(Si, Sj.mT, out=out[rows, cols])
+        else:
+            torch.addmm(C[rows, cols], Si, Sj.mT, beta=beta, alpha=alpha, out=out[rows, cols])
+
+    if not blocks:
+        product(slice(None), slice(None))
+        return out
+    h = S.shape[0] // 2
+    top, bottom = slice(None, h), slice(h, None)
+    product(top, top)  # (h, h)
+    product(top, bottom)  # (h, k - h)
+    product(bottom, bottom)  # (k - h, k - h)
+    out[bottom, top].copy_(out[top, bottom].mT)
+    return out
 
 
 def gram_(S: Tensor, out: Tensor, blocks: bool) -> Tensor:
-    """``out <- S S^T`` for a ``(k, n)`` matrix ``S`` (any strides); with ``blocks``, three block products."""
-    if not blocks:
-        return torch.mm(S, S.mT, out=out)
-    h = S.shape[0] // 2
-    S1, S2 = S[:h], S[h:]  # (h, n), (k - h, n)
-    torch.mm(S1, S1.mT, out=out[:h, :h])
-    torch.mm(S1, S2.mT, out=out[:h, h:])
-    torch.mm(S2, S2.mT, out=out[h:, h:])
-    out[h:, :h].copy_(out[:h, h:].mT)
-    return out
+    """``out <- S S^T`` for a ``(k, n)`` matrix ``S`` (any strides); with ``blocks``, three row-block products."""
+    return _s_st_(S, out, blocks, None, 0.0, 1.0)
 
 
 def square_(A: Tensor, out: Tensor, b: float, c: float, blocks: bool) -> Tensor:
-    """``out <- b A + c A A`` for a symmetric ``(k, k)`` ``A``; with ``blocks``, six half-size products."""
-    if not blocks:
-        return torch.addmm(A, A, A, beta=b, alpha=c, out=out)
-    h = A.shape[0] // 2
-    A11, A12, A22 = A[:h, :h], A[:h, h:], A[h:, h:]
-    torch.addmm(A11, A11, A11, beta=b, alpha=c, out=out[:h, :h]).addmm_(A12, A12.mT, alpha=c)
-    torch.addmm(A12, A11, A12, beta=b, alpha=c, out=out[:h, h:]).addmm_(A12, A22, alpha=c)
-    torch.addmm(A22, A22, A22, beta=b, alpha=c, out=out[h:, h:]).addmm_(A12.mT, A12, alpha=c)
-    out[h:, :h].copy_(out[:h, h:].mT)
-    return out
+    """``out <- b A + c A A`` for a symmetric ``(k, k)`` ``A`` (``A A = A A^T``); blocks as ``gram_``."""
+    return _s_st_(A, out, blocks, A, b, c)
