@@ -154,7 +154,7 @@ class QKClip(Callback):
         communication). Under tensor parallelism (``MuonFSDPStrategy(tensor_parallel_size=T)``,
         Q and K split by heads with ``ColwiseParallel``) a rank records the maxima of its own
         heads only; they are placed at its heads' offset in the Q weight's shard (``-inf``
-        for the others, ``lightning_muon.attention.clip.global_head_maxima``) before the
+        for the others, ``lightning_muon.attention.global_head_maxima``) before the
         same one all-reduce, and each rank then scales its own heads' rows. A fused Q/K
         weight under tensor parallelism is refused. Tested against one process in fp32:
         2 ranks under ``muon_ddp_spawn`` and ``muon_fsdp``, and a 2 x 2 (data x tensor)
