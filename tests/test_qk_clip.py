@@ -31,7 +31,14 @@ from qk_clip_modules import (
 from torch import nn
 
 from lightning_muon import QKClip
-from lightning_muon.attention import QKHeads, capped_query, clip_factors, head_max_logits, record_max_logits
+from lightning_muon.attention import (
+    QKHeads,
+    capped_query,
+    clip_factors,
+    global_head_maxima,
+    head_max_logits,
+    record_max_logits,
+)
 from lightning_muon.attention import maxima as maxima_module
 from lightning_muon.attention.maxima import is_recording
 
@@ -133,6 +140,22 @@ def test_gqa_rule_and_bad_arguments():
         QKHeads(w, w, num_heads=3, num_kv_heads=2, head_dim=1)
     with pytest.raises(ValueError, match="need 8 outputs"):
         QKHeads(w, w, num_heads=2, num_kv_heads=2, head_dim=2, k_offset=4)
+
+
+def test_global_head_maxima_refuses_what_it_cannot_place():
+    # (H,) maxima pass through; fewer (a tensor-parallel rank's own heads) need a q weight split
+    # by heads on one mesh dim. Placed on a 2 x 2 mesh: tests/test_tp_strategy.py.
+    q, k = nn.Parameter(torch.zeros(8, 4)), nn.Parameter(torch.zeros(4, 4))
+    heads = QKHeads(q, k, num_heads=4, num_kv_heads=2, head_dim=2)
+    full = torch.arange(4.0)
+    assert global_head_maxima(full, heads, "blocks.0.attn") is full
+    with pytest.raises(ValueError, match="'blocks.0.attn' recorded 5 maxima for its 4 query heads"):
+        global_head_maxima(torch.zeros(5), heads, "blocks.0.attn")
+    with pytest.raises(ValueError, match="'blocks.0.attn' recorded 2 maxima .* q_weight is not a DTensor"):
+        global_head_maxima(torch.zeros(2), heads, "blocks.0.attn")
+    fused = QKHeads(q, q, num_heads=2, num_kv_heads=2, head_dim=2, k_offset=4)
+    with pytest.raises(ValueError, match="'blocks.0.attn' .* fused Q/K weight under tensor parallelism"):
+        global_head_maxima(torch.zeros(1), fused, "blocks.0.attn")
 
 
 def _layer_inputs(model: PlantedGPT) -> list[torch.Tensor]:

@@ -4,8 +4,9 @@ One 4-process launch runs every 2 x 2 scenario in turn (each Trainer.fit is a fe
 starting processes is the expensive part): ``duplicated`` and ``distributed`` against one
 process with gradient clipping and the spectra callback, ``blockwise`` and how far it
 lands, NorMuon/AdaMuon second moments, a resume of the 2 x 2 checkpoint on a 4 x 1 mesh,
-and Lightning's own ``ModelParallelStrategy`` failing to clip the same model (its norms of
-parameters on the 1-D and the 2-D mesh cannot be concatenated). A second,
+``QKClip`` (each tensor-parallel rank records its own heads' maxima), with and without
+``cap_forward``, and Lightning's own ``ModelParallelStrategy`` failing to clip the same model
+(its norms of parameters on the 1-D and the 2-D mesh cannot be concatenated). A second,
 1-process launch resumes the checkpoint on 1 x 1.
 """
 
@@ -30,6 +31,11 @@ pytestmark = [pytest.mark.distributed, pytest.mark.policy_free]  # policy_free: 
 # scale moves parameters by 1e-3 or more.
 FP32 = dict(rtol=1e-5, atol=2e-6)
 STEPS, SAVED_AT, CLIP, SPECTRA_EVERY = 4, 2, 0.5, 3
+# QK-clip threshold: the tiny model's max logits start at 0.55-1.40, so over 4 steps heads of
+# both tensor-parallel halves (0-1 and 2-3) of both layers go over it (11 clips; measured).
+TAU = 1.0
+QK_CLIP = dict(threshold=TAU)
+QK_CAP = dict(threshold=TAU, cap_forward=True)
 SECOND_MOMENTS = dict(
     tp_mode="distributed",  # from MuonConfig: the strategy leaves tp_mode=None
     rules=[
@@ -50,13 +56,21 @@ def launch(tmp_path_factory):
         dict(root=root / "block", tp_mode="blockwise", **fit),
         dict(root=root / "moments", max_steps=3, config=SECOND_MOMENTS),
         dict(root=root / "resume4x1", tp=1, ckpt_path=saved, **fit),
-        dict(root=root / "plain", plain=True, max_steps=3, clip=CLIP),
+        dict(root=root / "qk", qk_clip=QK_CLIP, **fit),
+        dict(root=root / "qk_cap", qk_clip=QK_CAP, **fit),
+        dict(root=root / "plain", plain=True, max_steps=3, clip=CLIP),  # last: its error ends the fit mid-step
     ]
     ranks = run_distributed(tp_fit_worker, 4, runs)
     one = run_distributed(tp_fit_worker, 1, [dict(root=root / "resume1x1", tp=1, ckpt_path=saved, **fit)])
     reference = reference_fit(root / "ref", STEPS, clip=CLIP, spectra=SPECTRA_EVERY)
     moments = reference_fit(root / "ref_moments", 3, **SECOND_MOMENTS)
-    return ranks, one[0][0], reference, moments
+    # cap_forward: each data-parallel rank caps its forward by its own half of the batch's
+    # maxima, as one process does for two accumulated micro-batches (the same halves).
+    qk = {
+        "qk": reference_fit(root / "ref_qk", STEPS, clip=CLIP, qk_clip=QK_CLIP),
+        "qk_cap": reference_fit(root / "ref_qk_cap", STEPS, clip=CLIP, qk_clip=QK_CAP, micro_batches=2),
+    }
+    return ranks, one[0][0], reference, moments, qk
 
 
 def _close(actual: dict, expected: dict) -> None:
@@ -71,7 +85,7 @@ MUON.append("net.mix.weight")
 
 @pytest.mark.slow
 def test_exact_modes_equal_one_process(launch):
-    ranks, _, reference, _ = launch
+    ranks, _, reference, _, _ = launch
     dup, dist = ranks[0][0], ranks[0][1]
     assert dup["tp_mode"] == "duplicated" and dist["tp_mode"] == "distributed"
     # The layout the sharding meets: Colwise, Rowwise, a Muon matrix and norms on the 1-D mesh.
@@ -89,7 +103,7 @@ def test_exact_modes_equal_one_process(launch):
 
 @pytest.mark.slow
 def test_bytes_per_mesh_dim_follow_the_formulas(launch):
-    ranks, _, _, _ = launch
+    ranks, _, _, _, _ = launch
     T = D = 2
     shapes = {n: p.shape for n, p in TinyTPTransformer().named_parameters() if n in MUON}
     split = {n: 0 if any(k in n for k in ("attn.q", "attn.k", "attn.v", "fc1")) else 1 for n in MUON}
@@ -109,7 +123,7 @@ def test_bytes_per_mesh_dim_follow_the_formulas(launch):
 
 @pytest.mark.slow
 def test_blockwise_differs(launch):
-    ranks, _, reference, _ = launch
+    ranks, _, reference, _, _ = launch
     block = ranks[0][2]
     assert block["bytes"]["tensor_parallel"] == {}
     start = {n: p.detach() for n, p in TinyTPTransformer().named_parameters()}
@@ -124,14 +138,14 @@ def test_blockwise_differs(launch):
 
 @pytest.mark.slow
 def test_second_moments_under_tp(launch):
-    ranks, _, _, moments = launch
+    ranks, _, _, moments, _ = launch
     assert ranks[0][3]["tp_mode"] == "distributed"
     _close(ranks[0][3]["params"], moments["params"])
 
 
 @pytest.mark.slow
 def test_spectra_measured_once_each_on_one_rank(launch):
-    ranks, _, reference, _ = launch
+    ranks, _, reference, _, _ = launch
     for index in (0, 1):  # duplicated holds whole matrices; distributed gathers them for the observer
         for name in MUON:
             measured = [r[index]["measured"].get(name, 0) for r in ranks]
@@ -144,7 +158,7 @@ def test_spectra_measured_once_each_on_one_rank(launch):
 
 @pytest.mark.slow
 def test_checkpoint_resumes_on_other_meshes(launch):
-    ranks, one, reference, _ = launch
+    ranks, one, reference, _, _ = launch
     for resumed in (ranks[0][4], one):  # 4 x 1, then 1 x 1
         assert resumed["global_step"] == STEPS
         _close(resumed["params"], ranks[0][0]["params"])
@@ -153,11 +167,46 @@ def test_checkpoint_resumes_on_other_meshes(launch):
 
 @pytest.mark.slow
 def test_plain_model_parallel_strategy_cannot_clip(launch):
-    ranks, _, _, _ = launch
+    ranks, _, _, _, _ = launch
     # torch 2.13: the per-parameter norms live on the 1-D and the 2-D mesh and cannot be joined.
     for rank in ranks:
-        error = rank[5]["error"]
+        error = rank[-1]["error"]
         assert "Sharding propagation failed" in error and "cross mesh" in error, error
+
+
+@pytest.mark.slow
+@pytest.mark.parametrize(("index", "key"), [(5, "qk"), (6, "qk_cap")])
+def test_qk_clip_clips_each_tensor_parallel_ranks_heads_as_one_process(launch, index, key):
+    # Each TP rank runs (and records the maxima of) its own 2 of the 4 query heads; the
+    # callback places them at its heads' offset and MAX-reduces over all 4 ranks, so every
+    # rank sees the (4,) maxima of one process and scales the rows of its own heads.
+    ranks, _, _, _, qk = launch
+    expected = qk[key]
+    for rank, result in enumerate(ranks):
+        run = result[index]
+        assert run["global_step"] == STEPS
+        maxima = torch.stack(run["qk_clip"]["maxima"])  # (steps, layers, heads), after the all-reduce
+        assert maxima.shape == (STEPS, 2, 4), maxima.shape
+        over = maxima > TAU
+        # Heads of both TP halves (0-1 on TP rank 0, 2-3 on TP rank 1) are clipped in each layer.
+        assert over[:, :, :2].any(dim=(0, 2)).all() and over[:, :, 2:].any(dim=(0, 2)).all(), (rank, maxima)
+        assert run["qk_clip"]["clipped"] == int(over.sum()) == expected["qk_clip"]["clipped"] > 0
+        # Under tau a recorded value may be a norm bound (unlogged steps) of this rank's heads
+        # or of all heads; over it, both are exact maxima.
+        # Where the callback puts a rank's 2 maxima: at its TP coordinate's heads.
+        placement = run["head_placement"]
+        tp_rank = placement["tp_rank"]
+        assert tp_rank == rank % 2  # the (data, tensor) mesh is row-major
+        placed = torch.full((4,), -math.inf)
+        placed[2 * tp_rank : 2 * tp_rank + 2] = torch.tensor([1.0, 2.0])
+        assert torch.equal(placement["placed"], placed), placement
+        rows = f"its rows {8 * tp_rank}..{8 * tp_rank + 7} of 16: not 1 whole heads"
+        assert rows in placement["error"], placement["error"]
+        reference = torch.stack(expected["qk_clip"]["maxima"])
+        torch.testing.assert_close(maxima.clamp(min=TAU), reference.clamp(min=TAU), **FP32)
+        _close(run["params"], expected["params"])
+        apart = max(float((run["params"][n] - p).abs().max()) for n, p in expected["params"].items())
+        print(f"{key} rank {rank}: {run['qk_clip']['clipped']} clips, parameters within {apart:.1e} of one process")
 
 
 def test_arguments():

@@ -29,7 +29,8 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_muon import MuonConfig, MuonModuleMixin
+from lightning_muon import MuonConfig, MuonModuleMixin, QKClip
+from lightning_muon.attention import QKHeads, global_head_maxima, scaled_dot_product_attention
 
 VOCAB, D_MODEL, HEADS, KV_HEADS, HIDDEN, SEQ = 12, 16, 4, 2, 32, 6
 SAMPLES = 8  # sequences per optimizer step: divisible by every data-parallel size tried (1, 2, 4)
@@ -53,8 +54,15 @@ class Attention(nn.Module):
         v = self.v(x).view(B, T, -1, self.head_dim).transpose(1, 2)
         group = q.shape[1] // k.shape[1]  # query heads per kv head, the same on every rank
         k, v = k.repeat_interleave(group, dim=1), v.repeat_interleave(group, dim=1)
-        y = nn.functional.scaled_dot_product_attention(q, k, v, is_causal=True)
+        # torch's SDPA unless a QKClip records: then each query head's maxima (k repeated, so
+        # query head h meets key head h // group, as the global GQA grouping has it).
+        y = scaled_dot_product_attention(q, k, v, is_causal=True, module=self)
         return self.proj(y.transpose(1, 2).reshape(B, T, -1))
+
+    def qk_clip_heads(self) -> QKHeads:
+        # Global counts: under ColwiseParallel the weights are DTensors of the global shape,
+        # while the forward above runs (and records) this rank's heads only.
+        return QKHeads(self.q.weight, self.k.weight, HEADS, KV_HEADS, self.head_dim, q_bias=self.q.bias)
 
 
 class Block(nn.Module):
@@ -115,11 +123,12 @@ def tokens() -> torch.Tensor:
 class TinyTPTransformer(MuonModuleMixin, pl.LightningModule):
     """The tiny transformer, tensor parallel + FSDP2 under a 2-D mesh, plain on one process."""
 
-    def __init__(self, muon_config: MuonConfig | None = None) -> None:
+    def __init__(self, muon_config: MuonConfig | None = None, micro_batches: int = 1) -> None:
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(0)
         self.net = Net()
+        self.micro_batches = micro_batches  # batches per optimizer step (the reference of cap_forward)
 
     def configure_model(self) -> None:
         if self.device_mesh is not None:
@@ -130,7 +139,8 @@ class TinyTPTransformer(MuonModuleMixin, pl.LightningModule):
         if self.device_mesh is not None:  # split by the data-parallel rank only
             dp = self.device_mesh["data_parallel"]
             data = data.chunk(dp.size())[dp.get_local_rank()]
-        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=len(data))
+        batch = len(data) // self.micro_batches
+        return torch.utils.data.DataLoader(torch.utils.data.TensorDataset(data), batch_size=batch)
 
     def training_step(self, batch, batch_idx):
         (seq,) = batch
@@ -162,6 +172,43 @@ def trainer_kwargs(root: Path, max_steps: int, clip: float | None) -> dict[str, 
     )
 
 
+class RecordingQKClip(QKClip):
+    """``QKClip`` that keeps every step's reduced ``(H,)`` maxima per layer (the same on every rank)."""
+
+    def __init__(self, **kwargs: Any) -> None:
+        super().__init__(**kwargs)
+        self.history: list[list[torch.Tensor]] = []
+
+    def _reduced_maxima(self, *args: Any) -> list[torch.Tensor]:
+        maxima = super()._reduced_maxima(*args)
+        self.history.append([m.clone() for m in maxima])
+        return maxima
+
+
+def qk_clip_result(callback: RecordingQKClip | None) -> dict[str, Any] | None:
+    if callback is None:
+        return None
+    return {"clipped": callback.clipped_heads_total, "maxima": [torch.stack(step) for step in callback.history]}
+
+
+def head_placement(model: TinyTPTransformer) -> dict[str, Any]:
+    """Where ``global_head_maxima`` puts 2 recorded maxima (this rank's heads) on a rank of a TP mesh.
+
+    With the error it gives for 1 recorded maximum (this rank's shard holds 2 heads).
+    """
+    heads = model.net.blocks[0].attn.qk_clip_heads()
+    try:
+        global_head_maxima(torch.ones(1), heads, "net.blocks.0.attn")
+        error = None
+    except ValueError as err:
+        error = str(err)
+    return {
+        "tp_rank": model.device_mesh["tensor_parallel"].get_local_rank(),
+        "placed": global_head_maxima(torch.tensor([1.0, 2.0]), heads, "net.blocks.0.attn"),
+        "error": error,
+    }
+
+
 def full_params(model: pl.LightningModule) -> dict[str, torch.Tensor]:
     """Every parameter as a full plain tensor (DTensors gathered), by name."""
     from torch.distributed.tensor import DTensor
@@ -170,18 +217,37 @@ def full_params(model: pl.LightningModule) -> dict[str, torch.Tensor]:
 
 
 def reference_fit(
-    root: Path, max_steps: int, clip: float | None = None, spectra: int = 0, **config: Any
+    root: Path,
+    max_steps: int,
+    clip: float | None = None,
+    spectra: int = 0,
+    qk_clip: dict[str, Any] | None = None,
+    micro_batches: int = 1,
+    **config: Any,
 ) -> dict[str, Any]:
-    """The single-process reference: the same module and optimizer, no strategy."""
+    """The single-process reference: the same module and optimizer, no strategy.
+
+    ``qk_clip``: ``QKClip`` arguments (a ``RecordingQKClip``). ``micro_batches``: the step's
+    samples in that many batches, gradients accumulated (as the data-parallel ranks split them).
+    """
     from lightning_muon import UpdateSpectrumMonitor
 
-    model = TinyTPTransformer(MuonConfig(**{**CONFIG, **config}))
-    callbacks = [UpdateSpectrumMonitor(every_n_steps=spectra)] if spectra else []
+    model = TinyTPTransformer(MuonConfig(**{**CONFIG, **config}), micro_batches=micro_batches)
+    monitor = UpdateSpectrumMonitor(every_n_steps=spectra) if spectra else None
+    qk = RecordingQKClip(**qk_clip) if qk_clip else None
     trainer = pl.Trainer(
-        devices=1, enable_checkpointing=False, callbacks=callbacks, **trainer_kwargs(root, max_steps, clip)
+        devices=1,
+        enable_checkpointing=False,
+        callbacks=[c for c in (monitor, qk) if c],
+        accumulate_grad_batches=micro_batches,
+        **trainer_kwargs(root, max_steps, clip),
     )
     trainer.fit(model)
-    return {"params": full_params(model), "spectra": callbacks[0].last_metrics if spectra else None}
+    return {
+        "params": full_params(model),
+        "spectra": monitor.last_metrics if monitor else None,
+        "qk_clip": qk_clip_result(qk),
+    }
 
 
 def _count_measurements() -> dict[str, int]:
@@ -203,7 +269,8 @@ def tp_fit_worker(rank: int, world_size: int, runs: list[dict[str, Any]]) -> lis
     """Several ``Trainer.fit`` runs on this rank, one after the other; what each left behind.
 
     A run with ``"plain": True`` uses Lightning's own ``ModelParallelStrategy`` and returns
-    the error its fit raised (it is run last: the error ends the fit mid-step).
+    the error its fit raised (it is run last: the error ends the fit mid-step). ``"qk_clip"``:
+    ``QKClip`` arguments; the run adds a ``RecordingQKClip`` and returns its maxima.
     """
     from lightning.pytorch.strategies import ModelParallelStrategy
 
@@ -217,6 +284,9 @@ def tp_fit_worker(rank: int, world_size: int, runs: list[dict[str, Any]]) -> lis
         model = TinyTPTransformer(MuonConfig(**{**CONFIG, **spec.get("config", {})}))
         monitor = UpdateSpectrumMonitor(every_n_steps=spec["spectra"]) if spec.get("spectra") else None
         callbacks: list[pl.Callback] = [monitor] if monitor else []
+        qk = RecordingQKClip(**spec["qk_clip"]) if spec.get("qk_clip") else None
+        if qk:
+            callbacks.append(qk)
         if spec.get("save_every"):
             callbacks.append(
                 pl.callbacks.ModelCheckpoint(
@@ -257,6 +327,8 @@ def tp_fit_worker(rank: int, world_size: int, runs: list[dict[str, Any]]) -> lis
                 },
                 "spectra": monitor.last_metrics if monitor else None,
                 "measured": dict(counts),
+                "qk_clip": qk_clip_result(qk),
+                "head_placement": head_placement(model) if qk else None,
             }
         )
     return out

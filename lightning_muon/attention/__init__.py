@@ -1,6 +1,6 @@
 """Attention logits for QK-clip: per-head maxima, the module protocol, the scaling math, transformers."""
 
-from lightning_muon.attention.clip import apply_qk_clip, clip_factors, output_factors
+from lightning_muon.attention.clip import apply_qk_clip, clip_factors, global_head_maxima, output_factors
 from lightning_muon.attention.hf import hf_qk_heads, register_attention
 from lightning_muon.attention.maxima import (
     QKClipAttention,
@@ -20,6 +20,7 @@ __all__ = [
     "capped_query",
     "clip_factors",
     "flex_attention",
+    "global_head_maxima",
     "head_max_logits",
     "hf_qk_heads",
     "output_factors",

@@ -23,6 +23,12 @@ itself shrinks nothing more than that bound requires. The price: the group's oth
 query heads (their own Q untouched) see their logits shrink by
 ``(min eta)^(1 - alpha)`` too, which can only move them further under ``tau``.
 
+Tensor parallelism: a rank whose Q projection is split by heads (``ColwiseParallel``)
+runs attention for its own heads only and records ``H_local < H`` maxima.
+:func:`global_head_maxima` places them at the rank's first head (``-inf`` elsewhere), so a
+MAX all-reduce over every rank yields the ``(H,)`` maxima of the whole model; the factors
+above are then computed for all heads, and each rank scales the rows of its own shards.
+
 References:
     Kimi Team, "Kimi K2: Open Agentic Intelligence", arXiv 2507.20534, 2025 (MuonClip,
     per-head QK-clip).
@@ -30,13 +36,16 @@ References:
 
 from __future__ import annotations
 
+import math
+
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, distribute_tensor
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
+from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_muon.attention.maxima import QKHeads
 
-__all__ = ["apply_qk_clip", "clip_factors", "output_factors"]
+__all__ = ["apply_qk_clip", "clip_factors", "global_head_maxima", "output_factors"]
 
 
 def clip_factors(max_logits: Tensor, threshold: float, alpha: float, num_kv_heads: int) -> tuple[Tensor, Tensor]:
@@ -52,6 +61,71 @@ def clip_factors(max_logits: Tensor, threshold: float, alpha: float, num_kv_head
     q = eta.pow(alpha)  # (H,)
     k = eta.view(num_kv_heads, H // num_kv_heads).amin(dim=1).pow(1.0 - alpha)  # (G,)
     return q, k
+
+
+def global_head_maxima(max_logits: Tensor, heads: QKHeads, name: str = "attention") -> Tensor:
+    """The ``(H,)`` maxima of all query heads, from the ``(H_local,)`` a tensor-parallel rank recorded.
+
+    ``max_logits`` itself when it has ``heads.num_heads`` entries. Shorter, it holds this
+    rank's heads only: ``heads.q_weight`` must be a DTensor split along its output axis on
+    one mesh dim (plain ``Shard``, as ``ColwiseParallel`` does; FSDP2's ``_StridedShard``
+    on the data dim is gathered for the forward and does not count). ``Shard`` cuts like
+    ``torch.chunk``: with ``R`` output rows in ``n`` parts, coordinate ``c`` holds rows
+    ``c * ceil(R / n) ...``, which must be ``H_local`` whole heads of the Q block::
+
+        first = (c * ceil(R / n) - q_offset) / head_dim
+        out[first : first + H_local] = max_logits,   out[other heads] = -inf
+
+    ``-inf`` is the MAX all-reduce's identity (and a head at ``-inf`` is never clipped), so
+    reducing over every rank fills each head from the ranks that ran it.
+
+    Raises:
+        ValueError: naming ``name``, when the length or the layout does not tell which
+            heads these are: more maxima than heads, a fused Q/K weight (its column shards
+            mix Q, K and V rows), a Q weight that is not split on exactly one mesh dim, or a
+            shard that is not ``H_local`` whole heads.
+    """
+    H, local = heads.num_heads, max_logits.numel()
+    if local == H:
+        return max_logits
+    weight = heads.q_weight
+    where = f"QKClip: attention {name!r} recorded {local} maxima for its {H} query heads"
+    if local > H or local == 0:
+        raise ValueError(f"{where}; record one per query head (shape (num_heads,))")
+    if weight is heads.k_weight:
+        raise ValueError(
+            f"{where}: a fused Q/K weight under tensor parallelism is not supported (its column shards mix Q, K "
+            "and V rows); split it into separate q and k projections"
+        )
+    axis = 1 if heads.transposed else 0
+    placements = tuple(weight.placements) if isinstance(weight, DTensor) else ()
+    split = [
+        i
+        for i, p in enumerate(placements)
+        if isinstance(p, Shard)
+        and not isinstance(p, _StridedShard)
+        and p.dim == axis
+        and weight.device_mesh.size(i) > 1
+    ]
+    if len(split) != 1:
+        raise ValueError(
+            f"{where}, so they must be this rank's heads of a q_weight split along its output axis (dim {axis}) on "
+            f"one mesh dim (ColwiseParallel); q_weight is {f'placed {placements}' if placements else 'not a DTensor'}"
+        )
+    # Shard cuts like torch.chunk: parts of ceil(rows / parts) rows, the last ones shorter or empty.
+    rows, parts = weight.shape[axis], weight.device_mesh.size(split[0])
+    chunk = math.ceil(rows / parts)
+    start = min(rows, weight.device_mesh.get_local_rank(split[0]) * chunk)
+    held = min(rows, start + chunk) - start
+    first, off_head = divmod(start - heads.q_offset, heads.head_dim)
+    if held != local * heads.head_dim or off_head or not 0 <= first <= H - local:
+        raise ValueError(
+            f"{where}, but this rank's shard of q_weight is its rows {start}..{start + held - 1} of {rows}: not "
+            f"{local} whole heads of head_dim {heads.head_dim} from q_offset {heads.q_offset}"
+        )
+    out = torch.full((H,), float("-inf"), dtype=max_logits.dtype, device=max_logits.device)
+    out[first : first + local] = max_logits
+    return out
 
 
 def output_factors(heads: QKHeads, q: Tensor, k: Tensor) -> list[tuple[Tensor, Tensor | None, Tensor]]:

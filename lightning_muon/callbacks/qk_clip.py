@@ -12,11 +12,10 @@ import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
 from lightning.pytorch.callbacks import Callback
-from lightning.pytorch.strategies import ModelParallelStrategy
 from torch import Tensor, nn
 from typing_extensions import override
 
-from lightning_muon.attention.clip import apply_qk_clip, clip_factors
+from lightning_muon.attention.clip import apply_qk_clip, clip_factors, global_head_maxima
 from lightning_muon.attention.hf import enable_hf_recording, hf_qk_heads, is_hf_module
 from lightning_muon.attention.maxima import QKHeads
 
@@ -48,20 +47,6 @@ def find_attention(
         elif is_hf_module(module) and hf_qk_heads(module) is not None:
             found.append((name, module, lambda m=module: hf_qk_heads(m)))
     return found
-
-
-def _data_parallel_group(trainer: pl.Trainer) -> Any:
-    """The group whose ranks saw different data: the 2-D mesh's data-parallel dim, else the world.
-
-    Under tensor parallelism a rank records the maxima of its own heads; reducing over the
-    data-parallel group only keeps them its own, and each rank then scales its own heads.
-    """
-    if not isinstance(trainer.strategy, ModelParallelStrategy):
-        return None  # the default group
-    mesh = trainer.strategy.device_mesh
-    if mesh.mesh_dim_names and "data_parallel" in mesh.mesh_dim_names:
-        return mesh["data_parallel"].get_group()
-    return None  # the default group
 
 
 def _loggers_write_this_step(trainer: pl.Trainer) -> bool:
@@ -163,12 +148,18 @@ class QKClip(Callback):
         exact maxima in every forward where a head's norm bound exceeds ``threshold`` (on
         CPU; on CUDA always), as on a logged step, plus one multiply over the queries.
 
-        Distributed: the maxima are MAX-reduced over the data-parallel ranks, so every
-        rank computes the same factors. Under ``muon_ddp`` each replica scales its
-        parameters identically; under ``muon_fsdp`` each rank scales the rows of its own
-        DTensor shards (no communication); under tensor parallelism (a 2-D mesh) the
-        reduction runs over the data-parallel group only and each rank scales its own
-        heads. Every rank must run this callback.
+        Distributed: the maxima are MAX-reduced over all ranks, so every rank computes the
+        same factors. Under ``muon_ddp`` each replica scales its parameters identically;
+        under ``muon_fsdp`` each rank scales the rows of its own DTensor shards (no
+        communication). Under tensor parallelism (``MuonFSDPStrategy(tensor_parallel_size=T)``,
+        Q and K split by heads with ``ColwiseParallel``) a rank records the maxima of its own
+        heads only; they are placed at its heads' offset in the Q weight's shard (``-inf``
+        for the others, ``lightning_muon.attention.global_head_maxima``) before the
+        same one all-reduce, and each rank then scales its own heads' rows. A fused Q/K
+        weight under tensor parallelism is refused. Tested against one process in fp32:
+        2 ranks under ``muon_ddp_spawn`` and ``muon_fsdp``, and a 2 x 2 (data x tensor)
+        mesh with grouped-query attention, with and without ``cap_forward`` (which caps
+        each forward by the maxima of the heads it ran). Every rank must run this callback.
 
     References:
         Kimi Team, "Kimi K2: Open Agentic Intelligence", arXiv 2507.20534, 2025.
@@ -268,20 +259,20 @@ class QKClip(Callback):
         self._last_step = trainer.global_step
         if self.cap_forward:
             self._check_capped()
-        maxima = self._reduced_maxima(trainer, pl_module)
+        heads = [read() for _, _, read in self._modules]  # read once a step (FSDP may replace parameters)
+        maxima = self._reduced_maxima(trainer, pl_module, heads)
         # Lightning hands on_step values to the loggers only every log_every_n_steps steps (a
         # value logged in between is overwritten unseen), and each LightningModule.log call
         # costs ~0.2 ms of Python: logged on those steps only, the loggers show the same.
         # Decided at the batch's start, where the maxima were asked exact for it.
         log = self._exact
         clipped = torch.zeros((), dtype=torch.long, device=maxima[0].device)
-        for (name, _, read), layer in zip(self._modules, maxima):
+        for (name, _, _), layer, layout in zip(self._modules, maxima, heads):
             over = layer > self.threshold
             clipped = clipped + over.sum()
             if self.clip:
-                heads = read()
-                q, k = clip_factors(layer, self.threshold, self.alpha, heads.num_kv_heads)
-                apply_qk_clip(heads, q, k)
+                q, k = clip_factors(layer, self.threshold, self.alpha, layout.num_kv_heads)
+                apply_qk_clip(layout, q, k)
             if self.log_per_layer and log:
                 pl_module.log(f"qk_clip/max_logit/{name}", layer.amax(), on_step=True, on_epoch=False)
         if log:
@@ -305,17 +296,24 @@ class QKClip(Callback):
                 )
             module.qk_clip_capped = False
 
-    def _reduced_maxima(self, trainer: pl.Trainer, pl_module: pl.LightningModule) -> list[Tensor]:
-        """Each layer's ``(H,)`` maxima of this step, MAX-reduced over ranks in one packed all-reduce."""
+    def _reduced_maxima(self, trainer: pl.Trainer, pl_module: pl.LightningModule, heads: list[QKHeads]) -> list[Tensor]:
+        """Each layer's ``(H,)`` maxima of this step, MAX-reduced over all ranks in one packed all-reduce.
+
+        Over the whole world, not the data-parallel group: under tensor parallelism a rank
+        records its own heads only, placed among ``-inf`` for the others
+        (``global_head_maxima``), and its tensor-parallel peers hold the rest. Ranks that
+        ran the same heads on the same data (tensor-parallel peers of a replicated
+        attention) add nothing to a maximum, so the world is right on every mesh.
+        """
         layers = []
-        for _, module, read in self._modules:
+        for (name, module, _), layout in zip(self._modules, heads):
             recorded = getattr(module, "qk_clip_max_logits", None)
             if recorded is None:  # the layer did not run this step (or does not record)
-                recorded = torch.full((read().num_heads,), float("-inf"), device=pl_module.device)
-            layers.append(recorded)
+                recorded = torch.full((layout.num_heads,), float("-inf"), device=pl_module.device)
+            layers.append(global_head_maxima(recorded, layout, name))
         packed = torch.cat(layers)  # (sum of H,) one tensor, one collective
         if trainer.world_size > 1 and dist.is_available() and dist.is_initialized():
-            dist.all_reduce(packed, op=dist.ReduceOp.MAX, group=_data_parallel_group(trainer))
+            dist.all_reduce(packed, op=dist.ReduceOp.MAX)
         return list(packed.split([m.numel() for m in layers]))
 
     @override
