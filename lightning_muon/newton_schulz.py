@@ -40,7 +40,7 @@ from typing import NamedTuple
 import torch
 from torch import Tensor
 
-from lightning_muon.symmetric import gram_, square_, symmetric_blocks
+from lightning_muon.symmetric import SymmetricProduct, symmetric_blocks
 
 __all__ = [
     "BATCH_MAX_ELEMENTS",
@@ -495,12 +495,15 @@ def _iterate_2d(X: Tensor, schedule: list[Coefficients]) -> Tensor:
     A = X.new_empty(k, k)  # (k, k) Gram matrix of the short side
     B = X.new_empty(k, k)
     Y = torch.empty_like(X)  # (m, n)
-    for a, b, c in schedule:
-        gram_(X.mT if tall else X, A, gram_blocks)  # the short side laid wide: (k, long) view
+    # X and Y trade places every step: one Gram product for each, the short side laid wide.
+    grams = [SymmetricProduct(Z.mT if tall else Z, A, gram_blocks) for Z in (X, Y)]
+    square = SymmetricProduct(A, B, square_blocks, C=A)  # B <- b A + c A A
+    for step, (a, b, c) in enumerate(schedule):
+        grams[step % 2]()
         if c == 0.0:
             torch.mul(A, b, out=B)
         else:
-            square_(A, B, b, c, square_blocks)
+            square(b, c)
         if tall:
             torch.addmm(X, X, B, beta=a, out=Y)  # a X + X B (B is symmetric)
         else:

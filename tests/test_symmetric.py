@@ -95,14 +95,16 @@ def test_orthogonalize_with_blocks_equals_the_dense_iteration(shape, small_block
 
 def test_every_matrix_iterated_alone_asks_the_rule(small_blocks, monkeypatch):
     monkeypatch.setattr("lightning_muon.newton_schulz.BATCH_MAX_ELEMENTS", 16)  # 12 x 36 runs alone
-    calls = []
+    made = []
 
-    def spy(S, out, blocks):
-        calls.append((tuple(S.shape), blocks))
-        return sym.gram_(S, out, blocks)
+    class Spy(sym.SymmetricProduct):
+        def __init__(self, S, out, blocks, C=None):
+            made.append((tuple(S.shape), blocks, C is not None))
+            super().__init__(S, out, blocks, C)
 
-    monkeypatch.setattr("lightning_muon.newton_schulz.gram_", spy)
+    monkeypatch.setattr("lightning_muon.newton_schulz.SymmetricProduct", Spy)
     orthogonalize_many([torch.randn(12, 36), torch.randn(36, 12), torch.randn(3, 5)], dtype=torch.float32)
-    # Tall or wide, the Gram product is of the short side (12 x 36); 3 x 5 (a stack of one) is
-    # under the thresholds. Five steps each.
-    assert calls == [((12, 36), True)] * 10 + [((3, 5), False)] * 5
+    # Tall or wide, the Gram products (one per buffer) are of the short side laid wide (12 x 36),
+    # the square of the 12 x 12 Gram matrix; 3 x 5 (a stack of one) is under the thresholds.
+    alone = [((12, 36), True, False)] * 2 + [((12, 12), True, True)]
+    assert made == alone * 2 + [((3, 5), False, False)] * 2 + [((3, 3), False, True)]
