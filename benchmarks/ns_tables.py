@@ -385,7 +385,7 @@ def bench_symmetric(settings: Settings) -> dict[str, Any]:
             gram_(S, A, False)
             times = measure_interleaved(_symmetric_calls(S, A, out, b, c), settings, budget / 4)
             ratios = {p: times[f"{p} blocks"].seconds / times[f"{p} dense"].seconds for p in ("gram", "square")}
-            picks = symmetric_blocks(k, n, device)
+            picks = symmetric_blocks(k, n, dtype, device)
             rows.append({"shape": [k, n], "dtype": dtype_name(dtype), "blocks_over_dense": ratios, "picks": picks})
             progress(f"symmetric {dtype_name(dtype)} {k}x{n}: gram {ratios['gram']:.3f}, square {ratios['square']:.3f}")
             table_rows.append(
@@ -403,7 +403,7 @@ def bench_symmetric(settings: Settings) -> dict[str, Any]:
     print("\n== symmetric: Gram and square products of Newton-Schulz, dense vs 2 x 2 blocks ==")
     print(
         "blocks/dense: time ratio (calls alternated, medians); picks: lightning_muon.symmetric.symmetric_blocks "
-        f"(a product S S^T of k x n S in blocks where k >= {SYMMETRIC_MIN_SHORT_SIDE} and n >= "
+        f"(a product S S^T of k x n S in blocks where k >= {SYMMETRIC_MIN_SHORT_SIDE} and, in bf16/fp16, n >= "
         f"{SYMMETRIC_MIN_LONG_SIDE}: the Gram product is k x long, the square k x k; CPU only)"
     )
     headers = ["dtype", "shape", "gram ms", "blocks/dense", "picks", "square ms", "blocks/dense", "picks"]

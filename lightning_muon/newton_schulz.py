@@ -491,7 +491,7 @@ def _iterate_2d(X: Tensor, schedule: list[Coefficients]) -> Tensor:
     m, n = X.shape
     tall = m > n
     k = min(m, n)
-    gram_blocks, square_blocks = symmetric_blocks(k, max(m, n), X.device)
+    gram_blocks, square_blocks = symmetric_blocks(k, max(m, n), X.dtype, X.device)
     A = X.new_empty(k, k)  # (k, k) Gram matrix of the short side
     B = X.new_empty(k, k)
     Y = torch.empty_like(X)  # (m, n)

@@ -16,8 +16,8 @@ symmetric output and stays whole.
 Halves run under the matmul kernel's best rate at small sizes, so blocks are used only
 where they were measured faster, on the CPU (benchmarks/bench_optimizer.py, section
 "symmetric"; AMD EPYC, 2 cores, AVX512-BF16, torch 2.13.0+cpu). Blocks over dense, bf16:
-1.00-1.02 at 384 x 384, 0.91 at 384 x 768, 0.88 at 384 x 1536, 0.83-0.90 at 768 x 768 to
-768 x 3072, 0.76-0.87 at 1024; float32: 0.79-0.87 from 384 x 384 on. Stacked matrices
+1.02-1.14 at 384 x 384, 0.91-0.98 at 384 x 768 and 384 x 1536, 0.82-0.90 at 768 x 768 to
+768 x 3072, 0.77-0.87 at 1024; float32: 0.75-0.91 from 384 x 384 on. Stacked matrices
 (bmm into block views: 1.3-1.6x slower in bf16) keep the dense products; so does CUDA,
 where no GPU was at hand to measure them.
 
@@ -40,24 +40,28 @@ __all__ = [
     "symmetric_blocks",
 ]
 
-# A product S S^T of a k x n matrix S is cut in blocks from k = 384 and n = 768 (measured:
-# 384 x 384 gains nothing in bf16, 384 x 768 gains 9%, 768 x 768 10-15%).
+# A product S S^T of a k x n matrix S is cut in blocks from k = 384 and, in bf16 or fp16,
+# n = 768 (measured: 384 x 384 loses 2-14% in bf16, 384 x 768 gains 2-9%, 768 x 768 12-15%;
+# float32 gains 9-19% from 384 x 384 on).
 SYMMETRIC_MIN_SHORT_SIDE = 384
-SYMMETRIC_MIN_LONG_SIDE = 768
+SYMMETRIC_MIN_LONG_SIDE = 768  # half precision only; float32 and float64 from 384
+
+_FULL_PRECISION = (torch.float32, torch.float64)
 
 
-def symmetric_blocks(short: int, long: int, device: torch.device) -> tuple[bool, bool]:
+def symmetric_blocks(short: int, long: int, dtype: torch.dtype, device: torch.device) -> tuple[bool, bool]:
     """``(Gram product by blocks, square by blocks)`` for a ``short x long`` matrix iterated alone.
 
     On the CPU, a product ``S S^T`` of a ``k x n`` ``S`` is cut where ``k >=
-    SYMMETRIC_MIN_SHORT_SIDE`` and ``n >= SYMMETRIC_MIN_LONG_SIDE``: the Gram product is
-    ``short x long``, the square ``short x short``.
+    SYMMETRIC_MIN_SHORT_SIDE`` and, in half precision, ``n >= SYMMETRIC_MIN_LONG_SIDE``:
+    the Gram product is ``short x long``, the square ``short x short``.
     """
     if device.type != "cpu":
         return False, False
+    min_long = SYMMETRIC_MIN_SHORT_SIDE if dtype in _FULL_PRECISION else SYMMETRIC_MIN_LONG_SIDE
 
     def pays(k: int, n: int) -> bool:
-        return k >= SYMMETRIC_MIN_SHORT_SIDE and n >= SYMMETRIC_MIN_LONG_SIDE
+        return k >= SYMMETRIC_MIN_SHORT_SIDE and n >= min_long
 
     return pays(short, long), pays(short, short)
 

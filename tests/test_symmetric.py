@@ -59,12 +59,14 @@ def test_square_by_blocks_equals_the_dense_product(k, dtype):
 def test_the_rule_picks_blocks_only_where_measured_faster():
     cpu = torch.device("cpu")
     short, long = sym.SYMMETRIC_MIN_SHORT_SIDE, sym.SYMMETRIC_MIN_LONG_SIDE
-    assert symmetric_blocks(short, long, cpu) == (True, False)  # the square is short x short
-    assert symmetric_blocks(long, long, cpu) == (True, True)
-    assert symmetric_blocks(short, long - 1, cpu) == (False, False)
-    assert symmetric_blocks(short - 1, 4 * long, cpu) == (False, False)
-    assert symmetric_blocks(4 * long, 4 * long, torch.device("meta")) == (False, False)
-    assert symmetric_blocks(4 * long, 4 * long, torch.device("cuda")) == (False, False)
+    bf16, fp32 = torch.bfloat16, torch.float32
+    assert symmetric_blocks(short, long, bf16, cpu) == (True, False)  # the square is short x short
+    assert symmetric_blocks(long, long, bf16, cpu) == (True, True)
+    assert symmetric_blocks(short, long - 1, bf16, cpu) == (False, False)
+    assert symmetric_blocks(short, short, fp32, cpu) == (True, True)  # float32 gains from 384 x 384
+    assert symmetric_blocks(short - 1, 4 * long, fp32, cpu) == (False, False)
+    assert symmetric_blocks(4 * long, 4 * long, fp32, torch.device("meta")) == (False, False)
+    assert symmetric_blocks(4 * long, 4 * long, bf16, torch.device("cuda")) == (False, False)
 
 
 @pytest.fixture
