@@ -1,5 +1,6 @@
 """Benchmarks: Newton-Schulz accuracy, optimizer step time against torch.optim.Muon,
-throughput against plain matmul, the batching threshold, and Gram Newton-Schulz.
+throughput against plain matmul, the batching threshold, Gram Newton-Schulz, and the
+symmetric products by blocks.
 
 One run prints every table from the same inputs (fixed seeds) on one machine, names
 that machine first, and writes the same numbers as JSON. Ratios measured in the run

@@ -225,12 +225,21 @@ def muon_orthogonalize(
     """Orthogonalize every update's matrices; returns, per update, its list of pieces.
 
     ``keep_work_dtype``: leave the pieces in Newton-Schulz's dtype (see ``orthogonalize_many``).
-    ``donate``: the updates are temporaries Newton-Schulz may overwrite (see ``muon_momentum_``).
+    ``donate``: the updates are temporaries Newton-Schulz may overwrite (see ``muon_momentum_``);
+    the list ``updates`` is emptied, so that each is freed as soon as it is orthogonalized.
     """
     pieces = [matrix_views(u.contiguous(), split_sizes, batched, transposed) for u in updates]
+    counts = [len(ms) for ms in pieces]
     flat = [m for ms in pieces for m in ms]
+    if donate:
+        # ``flat`` keeps the only references, which Newton-Schulz drops one by one: each
+        # temporary is freed once its result exists, and its memory serves the next matrix
+        # (otherwise every update stays alive to the end of the step, a second bf16 copy of
+        # the hidden matrices, which the allocator hands back to the OS and faults in again).
+        updates.clear()
+        del pieces
     ortho = iter(orthogonalize_many(flat, ns_steps, ns_coefficients, ns_dtype, ns_method, keep_work_dtype, donate))
-    return [[next(ortho) for _ in ms] for ms in pieces]
+    return [[next(ortho) for _ in range(n)] for n in counts]
 
 
 def second_moment_buffer(p: Tensor, method: str, batched: bool = False) -> Tensor:

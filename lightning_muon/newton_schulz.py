@@ -496,8 +496,10 @@ def _iterate_2d(X: Tensor, schedule: list[Coefficients]) -> Tensor:
     B = X.new_empty(k, k)
     Y = torch.empty_like(X)  # (m, n)
     # X and Y trade places every step: one Gram product for each, the short side laid wide.
-    grams = [SymmetricProduct(Z.mT if tall else Z, A, gram_blocks) for Z in (X, Y)]
-    square = SymmetricProduct(A, B, square_blocks, C=A)  # B <- b A + c A A
+    grams = [
+        SymmetricProduct(Z.mT, Z, A, gram_blocks) if tall else SymmetricProduct(Z, Z.mT, A, gram_blocks) for Z in (X, Y)
+    ]
+    square = SymmetricProduct(A, A, B, square_blocks, C=A)  # B <- b A + c A A
     for step, (a, b, c) in enumerate(schedule):
         grams[step % 2]()
         if c == 0.0:
@@ -560,7 +562,8 @@ def orthogonalize_many(
     in one pass (``muon_apply_``), where a cast would be a second full-size pass.
     ``donate=True``: the matrices are temporaries the caller gives up (``Muon``'s Nesterov
     update, made in the work dtype); a large one already contiguous in that dtype is iterated
-    in place, with no copy.
+    in place, with no copy; a list's entries of matrices run alone are set to None as they
+    are consumed, so that each temporary is freed once its result exists.
     """
     schedule, norm = resolve_coefficients(coefficients, steps)
     check_ns_method(method)
@@ -571,6 +574,8 @@ def orthogonalize_many(
         if M.ndim != 2 or rows * cols > BATCH_MAX_ELEMENTS or M.numel() == 0:
             alone = _orthogonalize(M, steps, coefficients, dtype, method, donate)
             out[i] = alone if keep_work_dtype else alone.to(M.dtype)
+            if donate and isinstance(matrices, list):
+                matrices[i] = None  # released: its memory can serve the next matrix
             continue
         key = (min(rows, cols), max(rows, cols), M.device, M.dtype)
         buckets.setdefault(key, []).append(i)

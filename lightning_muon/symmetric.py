@@ -1,17 +1,17 @@
 r"""Symmetric products of Newton-Schulz by row blocks: the same entries for 3/4 of the FLOPs.
 
-Both symmetric products of a Newton-Schulz step have the form ``S S^T``: the Gram matrix
-``A = S S^T`` of the short side (``S`` is ``X`` laid wide, ``k x n``, ``k <= n``), and the
-square ``A A = A A^T`` of the symmetric ``A`` (``S = A``, ``n = k``). A general matmul
-computes both triangles. Cut ``S`` into two row blocks, ``S = [S_1; S_2]``; three products
-give the whole::
+A Newton-Schulz step makes two symmetric matrices: the Gram matrix ``A = S S^T`` of the
+short side (``S`` is ``X`` laid wide, ``k x n``, ``k <= n``) and the square ``A A`` of the
+symmetric ``A``. A general matmul computes both triangles. Cut the rows of the left factor
+and the columns of the right one in halves; three products give the whole::
 
     P_11 = S_1 S_1^T    P_12 = S_1 S_2^T    P_22 = S_2 S_2^T    P_21 = P_12^T      # (3/4) 2 k^2 n FLOPs
+    (A A)_rc = A[r, :] A[:, c]   for (r, c) in (1, 1), (1, 2), (2, 2);   (A A)_21 = (A A)_12^T
 
-Every entry is still one whole dot product over ``n``, rounded once: the dense product's
-entries (bitwise equal on the CPUs measured), in any dtype. ``B = b A + c A A`` takes ``b A``
-into the same three calls (``addmm``). The third product of a step, ``B X``, has no
-symmetric output and stays whole.
+Every block is the dense product's own sub-block, one whole dot product per entry rounded
+once: the dense product's entries (bitwise equal on the CPUs measured), in any dtype.
+``B = b A + c A A`` takes ``b A`` into the same three calls (``addmm``). The third product
+of a step, ``B X``, has no symmetric output and stays whole.
 
 Halves run under the matmul kernel's best rate at small sizes, so blocks are used only
 where they were measured faster, on the CPU (benchmarks/bench_optimizer.py, section
@@ -67,39 +67,46 @@ def symmetric_blocks(short: int, long: int, dtype: torch.dtype, device: torch.de
 
 
 class SymmetricProduct:
-    """``out <- beta C + alpha S S^T`` (``C`` symmetric, or None), with every block's views made once.
+    """``out <- beta C + alpha L R`` for a product ``L R`` known to be symmetric, block views cut once.
 
-    Newton-Schulz repeats the same products on the same buffers at every step: the block
-    views are cut here once (a view costs microseconds of Python; a step's products on a
+    ``L R`` is ``S S^T`` (the Gram matrix: ``L = S``, ``R = S^T``) or ``A A`` (the square of a
+    symmetric ``A``: ``L = R = A``); ``C`` is symmetric, or None for ``beta = 0``. With
+    ``blocks`` the product is made as its three blocks ``L[r] R[:, c]`` (rows ``r``, columns
+    ``c`` of the two halves) and the lower one mirrored: each block is the dense product's
+    own sub-block, the same operands in the same order. Without, one dense call, exactly
+    what the batched iteration runs (so a matrix rounds alike whether stacked or alone).
+
+    Newton-Schulz repeats the same products on the same buffers at every step: the views
+    are cut here once (a view costs microseconds of Python; a step's products on a
     384-wide matrix take a few hundred) and each call only runs the matmuls.
     """
 
-    def __init__(self, S: Tensor, out: Tensor, blocks: bool, C: Tensor | None = None) -> None:
+    def __init__(self, L: Tensor, R: Tensor, out: Tensor, blocks: bool, C: Tensor | None = None) -> None:
         whole = slice(None)
-        h = S.shape[0] // 2
+        h = L.shape[0] // 2
         top, bottom = slice(None, h), slice(h, None)
         pairs = [(top, top), (top, bottom), (bottom, bottom)] if blocks else [(whole, whole)]
-        # (S_i, S_j^T, out_ij, C_ij): (h, n), (n, h), (h, h), (h, h) for the top-left block
-        self._calls = [(S[r], S[c].mT, out[r, c], None if C is None else C[r, c]) for r, c in pairs]
+        # (L_r, R_c, out_rc, C_rc): (h, n), (n, h), (h, h), (h, h) for the top-left block
+        self._calls = [(L[r], R[:, c], out[r, c], None if C is None else C[r, c]) for r, c in pairs]
         self._mirror = (out[bottom, top], out[top, bottom].mT) if blocks else None
 
     def __call__(self, beta: float = 0.0, alpha: float = 1.0) -> None:
-        for Si, SjT, out, C in self._calls:
+        for Lr, Rc, out, C in self._calls:
             if C is None:
-                torch.mm(Si, SjT, out=out)
+                torch.mm(Lr, Rc, out=out)
             else:
-                torch.addmm(C, Si, SjT, beta=beta, alpha=alpha, out=out)
+                torch.addmm(C, Lr, Rc, beta=beta, alpha=alpha, out=out)
         if self._mirror is not None:
             self._mirror[0].copy_(self._mirror[1])
 
 
 def gram_(S: Tensor, out: Tensor, blocks: bool) -> Tensor:
     """``out <- S S^T`` for a ``(k, n)`` matrix ``S`` (any strides); with ``blocks``, three row-block products."""
-    SymmetricProduct(S, out, blocks)()
+    SymmetricProduct(S, S.mT, out, blocks)()
     return out
 
 
 def square_(A: Tensor, out: Tensor, b: float, c: float, blocks: bool) -> Tensor:
-    """``out <- b A + c A A`` for a symmetric ``(k, k)`` ``A`` (``A A = A A^T``); blocks as ``gram_``."""
-    SymmetricProduct(A, out, blocks, C=A)(b, c)
+    """``out <- b A + c A A`` for a symmetric ``(k, k)`` ``A``; blocks as ``gram_``."""
+    SymmetricProduct(A, A, out, blocks, C=A)(b, c)
     return out

@@ -100,9 +100,9 @@ def test_every_matrix_iterated_alone_asks_the_rule(small_blocks, monkeypatch):
     made = []
 
     class Spy(sym.SymmetricProduct):
-        def __init__(self, S, out, blocks, C=None):
-            made.append((tuple(S.shape), blocks, C is not None))
-            super().__init__(S, out, blocks, C)
+        def __init__(self, L, R, out, blocks, C=None):
+            made.append((tuple(L.shape), blocks, C is not None))
+            super().__init__(L, R, out, blocks, C)
 
     monkeypatch.setattr("lightning_muon.newton_schulz.SymmetricProduct", Spy)
     orthogonalize_many([torch.randn(12, 36), torch.randn(36, 12), torch.randn(3, 5)], dtype=torch.float32)
