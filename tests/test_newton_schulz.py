@@ -317,6 +317,35 @@ def test_donated_temporary_is_iterated_in_place_and_matches_the_copy(monkeypatch
     assert torch.equal(G, before)
 
 
+def test_donated_temporaries_are_released_as_they_are_consumed(monkeypatch):
+    """Each donated matrix is dropped once its result exists, so its memory serves the next one.
+
+    ``muon_orthogonalize(donate=True)`` empties the caller's list of updates and
+    ``orthogonalize_many`` sets each consumed entry of its list to None: the last reference
+    to every temporary goes with it (a weak reference shows the storage is freed).
+    """
+    import weakref
+
+    from lightning_muon.functional import muon_orthogonalize
+
+    monkeypatch.setattr(ns, "BATCH_MAX_ELEMENTS", 16)  # these run alone
+    updates = [randn(12, 20, seed=s, dtype=torch.float32) for s in (1, 2)]
+    storages = [weakref.ref(u.untyped_storage()) for u in updates]
+    expected = [orthogonalize(u.clone(), dtype=torch.float32) for u in updates]
+    ortho = muon_orthogonalize(
+        updates, ns_steps=5, ns_coefficients="polar_express", ns_dtype="float32",
+        split_sizes=None, batched=False, keep_work_dtype=True, donate=True,
+    )  # fmt: skip
+    assert updates == []
+    # 5 steps: the results sit in the ping-pong partners, and the donated buffers are gone.
+    assert all(ref() is None for ref in storages)
+    for (Q,), E in zip(ortho, expected):
+        assert_close(Q, E, atol=2e-5, rtol=0)
+    mats = [randn(12, 20, seed=3, dtype=torch.float32), randn(2, 3, seed=4, dtype=torch.float32)]
+    orthogonalize_many(mats, dtype=torch.float32, donate=True)
+    assert mats[0] is None and mats[1] is not None  # the stacked one is copied, not consumed
+
+
 # ---------------------------------------------------------------------- schedules
 
 
