@@ -18,6 +18,7 @@ from lightning_muon.distributed.comm import all_reduce_
 from lightning_muon.distributed.sharded import MODES, MuonSharding
 from lightning_muon.muon import Muon
 from lightning_muon.strategies._checkpoint import explained_reads
+from lightning_muon.strategies._exit import destroy_process_group_at_exit
 
 __all__ = ["MuonDDPStrategy"]
 
@@ -85,6 +86,10 @@ class MuonDDPStrategy(DDPStrategy):
     @property
     def shardings(self) -> list[MuonSharding]:
         return [s for s in (_sharding_of(opt) for opt in self.optimizers) if s is not None]
+
+    def setup_environment(self) -> None:
+        super().setup_environment()
+        destroy_process_group_at_exit()  # gloo too, not only NCCL as Lightning does
 
     def configure_ddp(self) -> None:
         # Optimizers first, on the unwrapped module: DDP must learn which parameters to

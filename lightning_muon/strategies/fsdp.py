@@ -26,6 +26,7 @@ from lightning_muon.distributed.tp_math import TP_MODES
 from lightning_muon.muon import Muon
 from lightning_muon.routing import TRANSPOSED_MODULES
 from lightning_muon.strategies._checkpoint import explained_reads
+from lightning_muon.strategies._exit import destroy_process_group_at_exit
 
 __all__ = ["MuonFSDPStrategy", "default_fully_shard"]
 
@@ -243,6 +244,7 @@ class MuonFSDPStrategy(ModelParallelStrategy):
             )
         self._data_parallel_size = dp
         super().setup_environment()
+        destroy_process_group_at_exit()  # gloo too, not only NCCL as Lightning does
 
     @override
     def setup(self, trainer: Any) -> None:
