@@ -234,8 +234,8 @@ def muon_orthogonalize(
     if donate:
         # ``flat`` keeps the only references, which Newton-Schulz drops one by one: each
         # temporary is freed once its result exists, and its memory serves the next matrix
-        # (otherwise every update stays alive to the end of the step, a second bf16 copy of
-        # the hidden matrices, which the allocator hands back to the OS and faults in again).
+        # (otherwise every update stays alive to the end of the step: a second bf16 copy of
+        # the hidden matrices at the step's peak).
         updates.clear()
         del pieces
     ortho = iter(orthogonalize_many(flat, ns_steps, ns_coefficients, ns_dtype, ns_method, keep_work_dtype, donate))

@@ -16,8 +16,9 @@ of a step, ``B X``, has no symmetric output and stays whole.
 Halves run under the matmul kernel's best rate at small sizes, so blocks are used only
 where they were measured faster, on the CPU (benchmarks/bench_optimizer.py, section
 "symmetric"; AMD EPYC, 2 cores, AVX512-BF16, torch 2.13.0+cpu). Blocks over dense, bf16:
-1.02-1.14 at 384 x 384, 0.91-0.98 at 384 x 768 and 384 x 1536, 0.82-0.90 at 768 x 768 to
-768 x 3072, 0.77-0.87 at 1024; float32: 0.75-0.91 from 384 x 384 on. Stacked matrices
+1.02-1.17 at 384 x 384, 0.91-1.08 at 384 x 768 (the border), 0.88-0.98 at 384 x 1152 and
+384 x 1536, 0.82-0.90 at 768 x 768 to 768 x 3072, 0.77-0.90 at 1024; float32: 0.68-0.92
+from 384 x 384 on. Stacked matrices
 (bmm into block views: 1.3-1.6x slower in bf16) keep the dense products; so does CUDA,
 where no GPU was at hand to measure them.
 
@@ -41,8 +42,8 @@ __all__ = [
 ]
 
 # A product S S^T of a k x n matrix S is cut in blocks from k = 384 and, in bf16 or fp16,
-# n = 768 (measured: 384 x 384 loses 2-14% in bf16, 384 x 768 gains 2-9%, 768 x 768 12-15%;
-# float32 gains 9-19% from 384 x 384 on).
+# n = 768 (measured in bf16: 384 x 384 loses 2-17%, 384 x 768 moves between -8% and +9%,
+# 384 x 1152 on gains 2-12%, 768 x 768 10-15%; float32 gains 8-32% from 384 x 384 on).
 SYMMETRIC_MIN_SHORT_SIDE = 384
 SYMMETRIC_MIN_LONG_SIDE = 768  # half precision only; float32 and float64 from 384
 
