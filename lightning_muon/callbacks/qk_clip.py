@@ -143,8 +143,8 @@ class QKClip(Callback):
         except what the loggers read. Flex attention users get the maxima from the kernel
         itself (``lightning_muon.attention.flex_attention``, CUDA).
         ``benchmarks/bench_qk_clip.py`` measures the share of the step: on a 2-core CPU,
-        1.9% for the demo model at Lightning's default logging interval, 5.6% when every
-        step is measured exactly; 0.6% and 2.0% at d=512. ``cap_forward`` needs the
+        1.8-1.9% for the demo model at Lightning's default logging interval, 5.0-5.6% when
+        every step is measured exactly; 0.4-0.6% and 1.6-2.0% at d=512. ``cap_forward`` needs the
         exact maxima in every forward where a head's norm bound exceeds ``threshold`` (on
         CPU; on CUDA always), as on a logged step, plus one multiply over the queries.
 
