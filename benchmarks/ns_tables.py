@@ -25,12 +25,15 @@ from lightning_muon.newton_schulz import (
     COEFFICIENTS,
     GRAM_MIN_ASPECT,
     GRAM_MIN_SHORT_SIDE,
+    HALF_BATCH_MAX_ELEMENTS,
+    HALF_BATCH_MAX_SHORT_SIDE,
     bf16_matmul_is_fast,
     ns_flops,
     orthogonalize,
     orthogonalize_many,
     resolve_ns_dtype,
     resolve_ns_method,
+    stacks,
 )
 from lightning_muon.symmetric import (
     SYMMETRIC_MIN_LONG_SIDE,
@@ -216,7 +219,19 @@ def bench_batching(settings: Settings) -> dict[str, Any]:
     if settings.quick:
         shapes: tuple[tuple[int, int], ...] = ((16, 64), (64, 256), (192, 768))
     else:
-        shapes = ((16, 64), (64, 64), (64, 256), (128, 512), (256, 256), (256, 1024), (384, 1536), (768, 3072))
+        shapes = (
+            (16, 64),
+            (64, 64),
+            (64, 256),
+            (128, 512),
+            (256, 256),
+            (256, 1024),
+            (384, 384),
+            (384, 1536),
+            (512, 512),
+            (768, 768),
+            (768, 3072),
+        )
     count = 12
     auto = resolve_ns_dtype(None, device, torch.float32)
     budget = min(settings.budget_s, 1.5)
@@ -224,11 +239,18 @@ def bench_batching(settings: Settings) -> dict[str, Any]:
     rows, table_rows = [], []
     for m, n in shapes:
         mats = [torch.randn(m, n, generator=gen).to(device) for _ in range(count)]  # 12 x (m, n)
-        loop = measure(lambda mats=mats: [orthogonalize(M) for M in mats], settings, budget)
-        many = measure(lambda mats=mats: orthogonalize_many(mats), settings, budget)
-        stacked = measure(lambda mats=mats: orthogonalize(torch.stack(mats)), settings, budget)
-        batched = m * n <= BATCH_MAX_ELEMENTS
-        path = "stacked" if batched else "per-matrix"
+        # In turn, one call each per round: the ratios compare calls that met the same load.
+        timings = measure_interleaved(
+            {
+                "loop": lambda mats=mats: [orthogonalize(M) for M in mats],
+                "many": lambda mats=mats: orthogonalize_many(mats),
+                "stacked": lambda mats=mats: orthogonalize(torch.stack(mats)),
+            },
+            settings,
+            budget,
+        )
+        loop, many, stacked = timings["loop"], timings["many"], timings["stacked"]
+        path = "stacked" if stacks(m, n, auto, device) else "per-matrix"
         rows.append(
             {
                 "shape": [m, n],
@@ -239,7 +261,7 @@ def bench_batching(settings: Settings) -> dict[str, Any]:
                 "stacked_ms": stacked.seconds * 1e3,
                 "loop_over_many": loop.seconds / many.seconds,
                 "loop_over_stacked": loop.seconds / stacked.seconds,
-                "timings": {"loop": loop.as_dict(), "many": many.as_dict(), "stacked": stacked.as_dict()},
+                "timings": {key: t.as_dict() for key, t in timings.items()},
             }
         )
         progress(f"batching {m}x{n}: loop/many {rows[-1]['loop_over_many']:.2f}")
@@ -257,13 +279,24 @@ def bench_batching(settings: Settings) -> dict[str, Any]:
         )
     print(f"\n== batching: {count} same-shape matrices, {dtype_name(auto)}, ms per call ==")
     print(
-        f"many = orthogonalize_many (stacks shapes with <= BATCH_MAX_ELEMENTS = {BATCH_MAX_ELEMENTS:,} elements, "
-        "else the same per-matrix loop);"
+        f"many = orthogonalize_many (stacks shapes with <= BATCH_MAX_ELEMENTS = {BATCH_MAX_ELEMENTS:,} elements;"
+        f" in bf16/fp16 on a CPU up to {HALF_BATCH_MAX_ELEMENTS:,} with a short side <= {HALF_BATCH_MAX_SHORT_SIDE};"
+        " else the same per-matrix loop)"
     )
-    print("stacked = orthogonalize(torch.stack(...)) forced at every size; speed-up = loop time / other time")
+    print(
+        "stacked = orthogonalize(torch.stack(...)) forced at every size; speed-up = loop time / other time;"
+        " the three step in turn"
+    )
     headers = ["shape", "elements", "many path", "loop ms", "many ms", "stacked ms", "loop/many", "loop/stacked"]
     print(table(headers, table_rows))
-    return {"count": count, "dtype": dtype_name(auto), "batch_max_elements": BATCH_MAX_ELEMENTS, "rows": rows}
+    return {
+        "count": count,
+        "dtype": dtype_name(auto),
+        "batch_max_elements": BATCH_MAX_ELEMENTS,
+        "half_batch_max_elements": HALF_BATCH_MAX_ELEMENTS,
+        "half_batch_max_short_side": HALF_BATCH_MAX_SHORT_SIDE,
+        "rows": rows,
+    }
 
 
 # ---------------------------------------------------------------- gram

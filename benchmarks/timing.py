@@ -7,6 +7,7 @@ machine falls on all alike.
 
 from __future__ import annotations
 
+import random
 import statistics
 import time
 from collections.abc import Callable
@@ -82,10 +83,12 @@ def measure_interleaved(fns: dict[str, Callable[[], Any]], settings: Settings, b
     Interleaving exposes every call to the same background load and the same drift of the
     machine (on a shared 2-core VM the same step measured 145 ms in one minute and 190 ms in
     the next), which moves more than any call's own variation; a ratio of two medians taken
-    this way compares like with like. The order turns by one call each round, so every call
-    follows every other equally often: a call that leaves the machine slow for a moment (a
-    compiled step's OpenMP threads still spinning, caches full of its data) does not always
-    fall on the same neighbour.
+    this way compares like with like. Each round takes its own order, drawn at random (fixed
+    seed): every call comes first, last and after every other call about equally often, so
+    that a call which leaves the machine slow for a moment (a compiled step's OpenMP threads
+    still spinning, caches full of its data) does not always fall on the same neighbour.
+    (Turning a fixed order by one each round would not do that: it keeps every call's
+    neighbours.)
     """
     device = settings.device
 
@@ -102,12 +105,13 @@ def measure_interleaved(fns: dict[str, Callable[[], Any]], settings: Settings, b
         return {key: Timing(t, 1, True) for key, t in first.items()}
     samples: dict[str, list[float]] = {key: [] for key in fns}
     order = list(fns)
+    shuffle = random.Random(0).shuffle
     spent = 0.0
     last_round = sum(first.values())
     while len(next(iter(samples.values()))) < settings.max_reps and spent + last_round <= total_budget:
         last_round = 0.0
-        turn = len(next(iter(samples.values()))) % len(order)
-        for key in order[turn:] + order[:turn]:
+        shuffle(order)
+        for key in order:
             samples[key].append(once(fns[key]))
             last_round += samples[key][-1]
         spent += last_round

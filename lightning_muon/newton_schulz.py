@@ -49,6 +49,8 @@ __all__ = [
     "FAST_BF16_ENV",
     "GRAM_MIN_ASPECT",
     "GRAM_MIN_SHORT_SIDE",
+    "HALF_BATCH_MAX_ELEMENTS",
+    "HALF_BATCH_MAX_SHORT_SIDE",
     "NORMALIZATION",
     "NS_METHODS",
     "bf16_matmul_is_fast",
@@ -62,6 +64,8 @@ __all__ = [
     "resolve_coefficients",
     "resolve_ns_dtype",
     "resolve_ns_method",
+    "runs_alone",
+    "stacks",
 ]
 
 Coefficients = tuple[float, float, float]
@@ -140,6 +144,17 @@ _DEFAULT_NORMALIZATION = Normalization(1.0, 1e-7)
 # 2-core AVX2 CPU): batched was 7x faster at 16x64, 1.7x at 64x256, 1.2x at
 # 256x256 (65,536 elements) and 0.9x at 256x1024 (262,144 elements).
 BATCH_MAX_ELEMENTS = 1 << 17
+# In bf16 or fp16 on a CPU, stacks pay further: up to a short side of 512 and 384 x 1536
+# elements. Measured on a 2-core AVX512-BF16 EPYC (torch 2.13.0+cpu), stacked over one by
+# one, the median of 15 paired runs of ``orthogonalize_many``: 0.57 at 192 x 768, 0.70 at
+# 256 x 1024, 0.79 at 128 x 2048, 0.86 at 384 x 384, 0.88 at 512 x 512, 0.87 at 384 x 1152,
+# 0.92 at 384 x 1536, 0.97-0.99 at 512 x 1024 and 256 x 2048; past the bounds stacks lose:
+# 1.03 at 448 x 1792, 1.11 at 768 x 768 and 512 x 2048, 1.15 at 384 x 3072 (one by one,
+# those run their symmetric products by blocks, see ``symmetric``). float32 gains nothing
+# there (0.97-1.11 from 192 x 768 to 384 x 1536), and CUDA was not measured: both keep
+# ``BATCH_MAX_ELEMENTS``.
+HALF_BATCH_MAX_ELEMENTS = 384 * 1536
+HALF_BATCH_MAX_SHORT_SIDE = 512
 # Upper bound on the elements of one stacked batch, to bound the extra memory.
 _STACK_MAX_ELEMENTS = 1 << 26
 
@@ -541,6 +556,75 @@ def _gram_newton_schulz(X: Tensor, schedule: list[Coefficients]) -> Tensor:
     return torch.bmm(Q, X) if Q is not None else X
 
 
+def stacks(rows: int, cols: int, work_dtype: torch.dtype, device: torch.device) -> bool:
+    """Whether same-shape ``rows x cols`` matrices iterated in ``work_dtype`` run stacked (one batched iteration).
+
+    Up to ``BATCH_MAX_ELEMENTS`` elements everywhere; in bf16 or fp16 on a CPU, up to
+    ``HALF_BATCH_MAX_ELEMENTS`` with a short side of at most ``HALF_BATCH_MAX_SHORT_SIDE``
+    (where that was measured faster).
+    """
+    elements = rows * cols
+    if elements <= BATCH_MAX_ELEMENTS:
+        return True
+    half = work_dtype in (torch.bfloat16, torch.float16)
+    return (
+        half
+        and device.type == "cpu"
+        and elements <= HALF_BATCH_MAX_ELEMENTS
+        and min(rows, cols) <= HALF_BATCH_MAX_SHORT_SIDE
+    )
+
+
+def _plan(
+    matrices: Sequence[Tensor], dtype: torch.dtype | str | None, method: str
+) -> tuple[list[int], dict[tuple, list[int]]]:
+    """``orthogonalize_many``'s plan: (indices run alone, stacks by key).
+
+    A stack's key is ``(short side, long side, device, dtype, method, work dtype)``.
+    """
+    check_ns_method(method)
+    buckets: dict[tuple, list[int]] = {}
+    alone: list[int] = []
+    keys: dict[tuple, tuple | None] = {}  # (shape, device, dtype) -> stack key, None alone: one answer per kind
+    for i, M in enumerate(matrices):
+        if M.ndim != 2 or M.numel() == 0:
+            alone.append(i)
+            continue
+        kind = (*M.shape, M.device, M.dtype)
+        if kind not in keys:
+            rows, cols = M.shape
+            bucket_method, work_dtype = _method_and_dtype(method, rows, cols, dtype, M)
+            stacked = stacks(rows, cols, work_dtype, M.device)
+            keys[kind] = (min(rows, cols), max(rows, cols), *kind[2:], bucket_method, work_dtype) if stacked else None
+        key = keys[kind]
+        if key is None:
+            alone.append(i)
+        else:
+            buckets.setdefault(key, []).append(i)
+    # A stack of one past ``BATCH_MAX_ELEMENTS`` runs alone, as it did before stacks reached
+    # that far: the same iteration without the copy, in place when donated. Smaller ones keep
+    # their stack: laid wide, as a sharded run (which donates nothing) iterates them.
+    for key in [key for key, idx in buckets.items() if len(idx) == 1 and key[0] * key[1] > BATCH_MAX_ELEMENTS]:
+        alone += buckets.pop(key)
+    return sorted(alone), buckets
+
+
+def runs_alone(
+    matrices: Sequence[Tensor], dtype: torch.dtype | str | None = None, method: str = "standard"
+) -> list[bool]:
+    """Per matrix, whether ``orthogonalize_many`` iterates it alone rather than in a stack.
+
+    Only the shapes, dtypes and devices are read: a caller can ask before the matrices
+    exist (``Muon`` makes the update of a matrix that runs alone in the work dtype, and
+    that of a stacked one in its own: the stack's copy casts it).
+    """
+    alone, _ = _plan(matrices, dtype, method)
+    flags = [False] * len(matrices)
+    for i in alone:
+        flags[i] = True
+    return flags
+
+
 def orthogonalize_many(
     matrices: Sequence[Tensor],
     steps: int = 5,
@@ -550,48 +634,51 @@ def orthogonalize_many(
     keep_work_dtype: bool = False,
     donate: bool = False,
 ) -> list[Tensor]:
-    """``[orthogonalize(M) for M in matrices]``, with same-shape small matrices batched.
+    """``[orthogonalize(M) for M in matrices]``, with same-shape matrices batched where that pays.
 
     Matrices are bucketed by (short side, long side, device, dtype); a tall matrix
-    joins the bucket of its transpose. Buckets of matrices with at most
-    ``BATCH_MAX_ELEMENTS`` elements each are stacked into one batched iteration;
-    larger matrices run one by one. Inputs with batch dims are treated as one item.
-    ``method`` is resolved per bucket, as ``orthogonalize`` does per matrix.
+    joins the bucket of its transpose. Buckets of matrices that ``stacks`` admits (up to
+    ``BATCH_MAX_ELEMENTS`` elements, more in half precision on a CPU) are stacked into one
+    batched iteration, except one matrix alone past ``BATCH_MAX_ELEMENTS``; other matrices
+    run one by one. Inputs
+    with batch dims are treated as one item. ``method`` is resolved per matrix, as
+    ``orthogonalize`` does.
     ``keep_work_dtype=True`` returns each result in the dtype it was computed in (bf16 on
     a fast-bf16 device) instead of casting it back: the caller adds it into the parameter
     in one pass (``muon_apply_``), where a cast would be a second full-size pass.
     ``donate=True``: the matrices are temporaries the caller gives up (``Muon``'s Nesterov
-    update, made in the work dtype); a large one already contiguous in that dtype is iterated
-    in place, with no copy; a list's entries of matrices run alone are set to None as they
-    are consumed, so that each temporary is freed once its result exists.
+    update, made in the work dtype); one that runs alone and is already contiguous in that
+    dtype is iterated in place, with no copy; a list's entries are set to None as they are
+    consumed (copied into a stack, or iterated), so that each temporary is freed as soon as
+    nothing needs it.
     """
     schedule, norm = resolve_coefficients(coefficients, steps)
     check_ns_method(method)
     out: list[Tensor | None] = [None] * len(matrices)
-    buckets: dict[tuple, list[int]] = {}
-    for i, M in enumerate(matrices):
-        rows, cols = M.shape[-2:]
-        if M.ndim != 2 or rows * cols > BATCH_MAX_ELEMENTS or M.numel() == 0:
-            alone = _orthogonalize(M, steps, coefficients, dtype, method, donate)
-            out[i] = alone if keep_work_dtype else alone.to(M.dtype)
-            if donate and isinstance(matrices, list):
-                matrices[i] = None  # released: its memory can serve the next matrix
-            continue
-        key = (min(rows, cols), max(rows, cols), M.device, M.dtype)
-        buckets.setdefault(key, []).append(i)
-    for (m, n, _, _), idx in buckets.items():
+    release = donate and isinstance(matrices, list)
+    alone, buckets = _plan(matrices, dtype, method)
+    for i in alone:
+        M = matrices[i]
+        result = _orthogonalize(M, steps, coefficients, dtype, method, donate)
+        out[i] = result if keep_work_dtype else result.to(M.dtype)
+        if release:
+            matrices[i] = None  # released: its memory can serve the next matrix
+    for (m, n, _, _, bucket_method, work_dtype), idx in buckets.items():
         chunk = max(1, _STACK_MAX_ELEMENTS // (m * n))
         for start in range(0, len(idx), chunk):
             part = idx[start : start + chunk]
-            first = matrices[part[0]]
-            bucket_method, work_dtype = _method_and_dtype(method, m, n, dtype, first)
+            device, out_dtype = matrices[part[0]].device, matrices[part[0]].dtype
             # One copy into the stack, cast to the work dtype and laid wide on the way.
-            X = first.new_empty(len(part), m, n, dtype=work_dtype)
+            X = torch.empty(len(part), m, n, dtype=work_dtype, device=device)
+            wide = []
             for k, i in enumerate(part):
-                X[k].copy_(matrices[i] if matrices[i].shape[0] == m else matrices[i].mT)
+                wide.append(matrices[i].shape[0] == m)
+                X[k].copy_(matrices[i] if wide[-1] else matrices[i].mT)
+                if release:
+                    matrices[i] = None
             result = _newton_schulz_(X, schedule, norm, bucket_method)  # (K, m, n)
             if not keep_work_dtype:
-                result = result.to(first.dtype)
+                result = result.to(out_dtype)
             for k, i in enumerate(part):
-                out[i] = result[k] if matrices[i].shape[0] == m else result[k].mT
+                out[i] = result[k] if wide[k] else result[k].mT
     return out  # type: ignore[return-value]

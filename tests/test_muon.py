@@ -773,15 +773,24 @@ def test_all_finite_sees_nan_and_both_infinities_in_any_dtype(bad):
         assert not all_finite([*fine, broken])
 
 
+@pytest.mark.parametrize("half_stacks", [True, False])
 @pytest.mark.parametrize("ns_dtype", ["float32", "bfloat16"])
-def test_step_on_donated_temporaries_equals_the_observed_path(ns_dtype):
-    """Without an observer the Nesterov update is made in the work dtype and iterated in place.
+def test_step_on_donated_temporaries_equals_the_observed_path(monkeypatch, ns_dtype, half_stacks):
+    """Without an observer a Nesterov update that runs alone is made in the work dtype and iterated in place.
 
     With an observer attached the step keeps the momentum update intact (the observer reads
     it) and orthogonalizes a copy laid wide: the same math, so the weights agree to rounding.
-    Shapes: a tall and a wide matrix large enough to run alone, and a small batched one.
+    Shapes: a tall and a wide matrix past ``BATCH_MAX_ELEMENTS`` and a small batched one. In
+    float32 the two run alone; in bf16 they share a stack (``stacks``), or run alone where
+    half-precision stacks are switched off (``half_stacks=False``).
     """
+    import lightning_muon.newton_schulz as ns
+
+    if not half_stacks:
+        monkeypatch.setattr(ns, "HALF_BATCH_MAX_ELEMENTS", 0)
     shapes = [(520, 256), (256, 520), (16, 24)]
+    alone = ns.runs_alone([torch.empty(s) for s in shapes], dtype=ns_dtype)
+    assert alone == [ns_dtype == "float32" or not half_stacks] * 2 + [False]
     runs = []
     for observed in (False, True):
         torch.manual_seed(0)

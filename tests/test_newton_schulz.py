@@ -291,6 +291,52 @@ def test_orthogonalize_many_equals_one_by_one(monkeypatch, max_elements, stack_m
         assert_close(Q, orthogonalize(M), atol=1e-12, rtol=0)
 
 
+def test_stacks_reach_further_only_in_half_precision_on_a_cpu():
+    """Up to ``BATCH_MAX_ELEMENTS`` every dtype and device stacks; past it only bf16/fp16 on a CPU, within bounds."""
+    cpu, cuda = torch.device("cpu"), torch.device("cuda")
+    assert ns.BATCH_MAX_ELEMENTS == 1 << 17 and ns.HALF_BATCH_MAX_ELEMENTS == 384 * 1536
+    for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
+        for device in (cpu, cuda):
+            assert ns.stacks(256, 512, dtype, device) and ns.stacks(512, 256, dtype, device)  # 2^17 elements
+            assert not ns.stacks(384, 3072, dtype, device)
+    for dtype in (torch.bfloat16, torch.float16):
+        # A d=384 GPT's matrices (qkv, projection, fc1 and fc2), and up to a short side of 512.
+        for rows, cols in ((1152, 384), (384, 384), (1536, 384), (384, 1536), (512, 1024), (257, 512)):
+            assert ns.stacks(rows, cols, dtype, cpu), (rows, cols, dtype)
+            assert not ns.stacks(rows, cols, dtype, cuda)  # not measured there: the common bound
+            assert not ns.stacks(rows, cols, torch.float32, cpu)
+        assert not ns.stacks(768, 768, dtype, cpu)  # short side past 512 (590K elements, as 384 x 1536)
+        assert not ns.stacks(513, 1024, dtype, cpu)
+        assert not ns.stacks(384, 1537, dtype, cpu)  # elements past 384 x 1536
+
+
+def test_half_precision_stacks_past_the_common_bound_and_equal_one_by_one(monkeypatch):
+    """In bf16 same-shape matrices past ``BATCH_MAX_ELEMENTS`` run as one stack; a lone one runs alone.
+
+    The bounds are lowered so that small matrices play the parts: 12 x 20 (240 elements) is
+    past ``BATCH_MAX_ELEMENTS`` = 100 and within ``HALF_BATCH_MAX_ELEMENTS`` = 400.
+    """
+    monkeypatch.setattr(ns, "BATCH_MAX_ELEMENTS", 100)
+    monkeypatch.setattr(ns, "HALF_BATCH_MAX_ELEMENTS", 400)
+    monkeypatch.setattr(ns, "HALF_BATCH_MAX_SHORT_SIDE", 16)
+    mats = [randn(12, 20, seed=i, dtype=torch.float32) for i in range(3)] + [randn(20, 12, seed=3, dtype=torch.float32)]
+    mats += [randn(16, 24, seed=4, dtype=torch.float32)]  # 384 elements, but the only one of its shape
+    mats += [randn(18, 20, seed=5, dtype=torch.float32), randn(18, 20, seed=6, dtype=torch.float32)]  # short side 18
+    batches = []
+    iterate = ns._newton_schulz_
+    monkeypatch.setattr(ns, "_newton_schulz_", lambda X, *a, **k: batches.append(tuple(X.shape)) or iterate(X, *a, **k))
+    out = orthogonalize_many(mats, dtype=torch.bfloat16)
+    # 12 x 20 and its transpose share one stack; the rest run one by one.
+    assert sorted(batches) == sorted([(4, 12, 20), (1, 16, 24), (1, 18, 20), (1, 18, 20)])
+    assert ns.runs_alone(mats, dtype=torch.bfloat16) == [False] * 4 + [True] * 3
+    assert ns.runs_alone(mats, dtype=torch.float32) == [True] * 7  # float32 keeps the common bound
+    for M, Q in zip(mats, out):
+        assert Q.shape == M.shape and Q.dtype == M.dtype
+        # A stack's products are its matrices' own (bmm against mm): equal here, and at most
+        # one bf16 rounding step apart (u = 2^-8 of a unit-size entry) on other kernels.
+        assert_close(Q, orthogonalize(M, dtype=torch.bfloat16), atol=2**-8, rtol=0)
+
+
 @pytest.mark.parametrize("shape", [(40, 12), (12, 40), (2, 30, 9)])
 @pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
 def test_donated_temporary_is_iterated_in_place_and_matches_the_copy(monkeypatch, shape, dtype):
@@ -341,9 +387,22 @@ def test_donated_temporaries_are_released_as_they_are_consumed(monkeypatch):
     assert all(ref() is None for ref in storages)
     for (Q,), E in zip(ortho, expected):
         assert_close(Q, E, atol=2e-5, rtol=0)
+    # A stacked matrix is released once it is copied into its stack (2 x 3 and its transpose
+    # share one), a matrix alone once it is iterated; without donation the list is kept.
     mats = [randn(12, 20, seed=3, dtype=torch.float32), randn(2, 3, seed=4, dtype=torch.float32)]
-    orthogonalize_many(mats, dtype=torch.float32, donate=True)
-    assert mats[0] is None and mats[1] is not None  # the stacked one is copied, not consumed
+    mats.append(mats[1].mT.clone())
+    expected = [orthogonalize(M, dtype=torch.float32) for M in mats]
+    storages = [weakref.ref(M.untyped_storage()) for M in mats]
+    kept = list(mats)
+    for Q, E in zip(orthogonalize_many(kept, dtype=torch.float32), expected):
+        assert_close(Q, E, atol=2e-5, rtol=0)
+    assert all(M is not None for M in kept)
+    out = orthogonalize_many(mats, dtype=torch.float32, donate=True)
+    del kept
+    assert mats == [None] * 3
+    assert all(ref() is None for ref in storages)
+    for Q, E in zip(out, expected):
+        assert_close(Q, E, atol=2e-5, rtol=0)
 
 
 # ---------------------------------------------------------------------- schedules

@@ -99,9 +99,11 @@ def count_step(step, min_numel: int) -> PassCounter:
     return counter
 
 
-# d=48: every matrix is small and goes into a batched stack; d=192: fc1 and fc2 (147,456
-# elements) run alone, from a Nesterov update made in bf16 and iterated in place.
-@pytest.mark.parametrize(("d", "layers"), [(48, 2), (192, 1)])
+# d=48: every matrix is small and goes into a batched stack. d=224: qkv (150,528 elements,
+# past BATCH_MAX_ELEMENTS and the only one of its shape) runs alone, from a Nesterov update
+# made in bf16 and iterated in place; fc1 and fc2 (200,704 each) share a bf16 stack, which
+# reaches that far in half precision on a CPU (``stacks``), cast from float32 on the way in.
+@pytest.mark.parametrize(("d", "layers"), [(48, 2), (224, 1)])
 def test_bf16_step_makes_no_more_passes_than_torch_muon_plus_adamw(d, layers):
     hidden, other = gpt_like(d=d, layers=layers)
     min_numel = min(p.numel() for p in hidden + other)
