@@ -11,6 +11,7 @@ Usage::
     python benchmarks/bench_optimizer.py                  # all tables, cuda if available
     python benchmarks/bench_optimizer.py --quick          # tiny sizes, 1 rep (smoke test)
     python benchmarks/bench_optimizer.py --sections step roofline --out /tmp/r.json
+    python benchmarks/bench_optimizer.py --sections step --step-processes 5   # the medians of 5 processes
 
 benchmarks/README.md says what each table measures and which targets it checks.
 """
@@ -69,8 +70,18 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         default=None,
         help="seconds the step table may spend before skipping its optional forced-bf16 rows (default 300)",
     )
+    parser.add_argument(
+        "--step-processes",
+        type=int,
+        default=1,
+        help="fresh processes the step table measures in, one after another; it reports the median of their"
+        " ratios and their range (default 1: this process). Each process places its tensors in memory anew,"
+        " which moved the same rows by up to 10%% between processes on a 2-core VM",
+    )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
     args = parser.parse_args(argv)
+    if args.step_processes < 1:
+        parser.error(f"--step-processes must be at least 1, got {args.step_processes}")
     return check_device(parser, args)
 
 
@@ -84,8 +95,8 @@ def main(argv: list[str] | None = None) -> int:
     else:
         budget = 2.0 if device.type == "cuda" else 6.0
         settings = Settings(device, False, budget_s=budget, max_reps=100, step_budget_s=300.0)
-    if args.step_budget is not None:
-        settings = Settings(device, settings.quick, settings.budget_s, settings.max_reps, args.step_budget)
+    step_budget = settings.step_budget_s if args.step_budget is None else args.step_budget
+    settings = Settings(device, settings.quick, settings.budget_s, settings.max_reps, step_budget, args.step_processes)
     machine = describe_machine(device)
     print(f"lightning_muon benchmarks ({'quick' if args.quick else 'full'}), {time.strftime('%Y-%m-%d %H:%M:%S')}")
     print(f"machine: {machine_line(machine)}")
@@ -96,6 +107,7 @@ def main(argv: list[str] | None = None) -> int:
             "budget_s": settings.budget_s,
             "max_reps": settings.max_reps,
             "step_budget_s": settings.step_budget_s,
+            "step_processes": settings.step_processes,
             "sections": [s for s in SECTIONS if s in args.sections],
         },
         "sections": {},

@@ -9,8 +9,14 @@ the ratios check.
 
 from __future__ import annotations
 
+import json
+import statistics
+import subprocess
+import sys
+import tempfile
 import time
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -115,18 +121,27 @@ def _our_step(hidden: list[Tensor], other: list[Tensor], coefficients: str, ns_d
     return opt.step
 
 
-def bench_step(settings: Settings) -> dict[str, Any]:
-    device = settings.device
-    models = ((32, 2),) if settings.quick else ((64, 12), (384, 6), (768, 2))
-    auto = dtype_name(resolve_ns_dtype(None, device, torch.float32))
-    # (label, coefficients, ns_dtype, dtype shown); None coefficients is the torch reference.
-    variants = {
+def _variants(auto: str) -> dict[str, tuple[str, str | None, str | None, str]]:
+    """Rows of the table: key -> (label, coefficients, ns_dtype, dtype shown); None coefficients: a reference."""
+    return {
         "torch": ("torch.optim.Muon + AdamW", None, None, "bfloat16 (always)"),
         "heavyball": ("heavyball.Muon + AdamW", None, None, "its default"),
         "keller": ("ours, keller", "keller", None, auto),
         "polar_express": ("ours, polar_express", "polar_express", None, auto),
         "keller_bf16": ("ours, keller, bf16", "keller", "bfloat16", "bfloat16 (forced)"),
     }
+
+
+def _models(settings: Settings) -> tuple[tuple[int, int], ...]:
+    return ((32, 2),) if settings.quick else ((64, 12), (384, 6), (768, 2))
+
+
+def measure_step_rows(settings: Settings) -> list[dict[str, Any]]:
+    """One process's measurement: a row per (model, variant), with its time and ratios (or why it was skipped)."""
+    device = settings.device
+    models = _models(settings)
+    auto = dtype_name(resolve_ns_dtype(None, device, torch.float32))
+    variants = _variants(auto)
     start = time.perf_counter()
     timings: dict[tuple[tuple[int, int], str], Timing] = {}
 
@@ -170,70 +185,129 @@ def bench_step(settings: Settings) -> dict[str, Any]:
             skipped[model] = predicted
             progress(f"step d={model[0]} x {model[1]}: bf16 row skipped (~{predicted:.0f} s, {remaining:.0f} s left)")
 
-    rows, targets, table_rows = [], [], []
+    rows = []
     for model in models:
         hidden, other = gpt_parameters(*model, torch.device("cpu"))
-        gflop = sum(ns_flops(*p.shape, NS_STEPS) for p in hidden) / 1e9
-        n_params = sum(p.numel() for p in hidden + other)
-        ref = timings[(model, "torch")]
+        shape = {
+            "model": list(model),
+            "params": sum(p.numel() for p in hidden + other),
+            "hidden_matrices": len(hidden),
+            "ns_gflop_per_step": sum(ns_flops(*p.shape, NS_STEPS) for p in hidden) / 1e9,
+        }
+        ref, heavy = timings[(model, "torch")], timings.get((model, "heavyball"))
         for key, (label, _, _, dtype_label) in variants.items():
-            name = f"d={model[0]} x {model[1]}"
+            row = {**shape, "variant": key, "optimizer": label, "ns_dtype": dtype_label}
             if (model, key) not in timings:
-                table_rows.append([name, label, dtype_label, "skipped", "-", "-", "-", "-"])
-                skip = {"model": list(model), "optimizer": label, "ns_dtype": dtype_label}
                 why = {"skipped_predicted_s": skipped[model]} if key != "heavyball" else {"skipped": "not installed"}
-                rows.append({**skip, **why})
+                rows.append({**row, **why})
                 continue
             t = timings[(model, key)]
-            ratio = t.seconds / ref.seconds
-            heavy = timings.get((model, "heavyball"))
-            vs_heavy = t.seconds / heavy.seconds if heavy is not None and key != "torch" else None
-            check = ""
-            if key in ("keller", "polar_express"):
-                bound = STEP_RATIO_SMALL_MAX if model == SMALL_MODEL else STEP_RATIO_MAX
-                targets.append(target(f"step: {label} / torch, d={model[0]} x {model[1]}", ratio, "<=", bound))
-                check = f"<= {bound}: {verdict(targets[-1]['passed'])}"
-            table_rows.append(
-                [
-                    name,
-                    label,
-                    dtype_label,
-                    t.seconds * 1e3,
-                    t.reps_label,
-                    "1 (ref)" if key == "torch" else ratio,
-                    "1 (ref)" if key == "heavyball" else (vs_heavy if vs_heavy is not None else "-"),
-                    check,
-                ]
+            row.update(ms_per_step=t.seconds * 1e3, reps=t.reps_label, timing=t.as_dict())
+            row["ratio_vs_torch"] = t.seconds / ref.seconds
+            if heavy is not None and key != "torch":
+                row["ratio_vs_heavyball"] = t.seconds / heavy.seconds
+            rows.append(row)
+    return rows
+
+
+def _in_processes(settings: Settings) -> list[list[dict[str, Any]]]:
+    """``measure_step_rows`` in ``settings.step_processes`` fresh processes, one after another."""
+    script = Path(__file__).resolve().parent / "bench_optimizer.py"
+    runs = []
+    with tempfile.TemporaryDirectory() as tmp:
+        for i in range(settings.step_processes):
+            out = Path(tmp) / f"step{i}.json"
+            command = [sys.executable, str(script), "--sections", "step", "--step-processes", "1", "--out", str(out)]
+            command += ["--device", str(settings.device), "--threads", str(torch.get_num_threads())]
+            command += ["--step-budget", str(settings.step_budget_s)] + (["--quick"] if settings.quick else [])
+            done = subprocess.run(command, capture_output=True, text=True)
+            if done.returncode != 0:
+                raise RuntimeError(f"step table process {i} failed ({done.returncode}):\n{done.stderr[-3000:]}")
+            rows = json.loads(out.read_text())["sections"]["step"]["rows"]
+            ours = [r for r in rows if r["variant"] in ("keller", "polar_express") and "ratio_vs_torch" in r]
+            progress(
+                f"step process {i + 1}/{settings.step_processes}: ours/torch "
+                + ", ".join(f"d={r['model'][0]} {r['ratio_vs_torch']:.3f}" for r in ours)
             )
-            rows.append(
-                {
-                    "model": list(model),
-                    "params": n_params,
-                    "hidden_matrices": len(hidden),
-                    "ns_gflop_per_step": gflop,
-                    "optimizer": label,
-                    "ns_dtype": dtype_label,
-                    "ms_per_step": t.seconds * 1e3,
-                    "timing": t.as_dict(),
-                    "ratio_vs_torch": ratio,
-                    **({} if vs_heavy is None else {"ratio_vs_heavyball": vs_heavy}),
-                }
-            )
+            runs.append(rows)
+    return runs
+
+
+def _median_rows(runs: list[list[dict[str, Any]]]) -> list[dict[str, Any]]:
+    """Per row, the median time and the median of the per-process ratios, with their range."""
+    merged = []
+    for i, first in enumerate(runs[0]):
+        same = [run[i] for run in runs]
+        if "ms_per_step" not in first:
+            merged.append(first)
+            continue
+        row = {k: v for k, v in first.items() if k not in ("timing", "reps")}
+        row["ms_per_step"] = statistics.median(r["ms_per_step"] for r in same)
+        row["reps"] = f"{len(runs)}x{min(int(r['reps'].rstrip('*')) for r in same)}"
+        kept = ("ms_per_step", "ratio_vs_torch", "ratio_vs_heavyball")
+        row["processes"] = [{k: r.get(k) for k in kept} for r in same]
+        for key in ("ratio_vs_torch", "ratio_vs_heavyball"):
+            if key in first:
+                values = [r[key] for r in same]
+                row[key] = statistics.median(values)
+                row[key.replace("ratio", "range")] = [min(values), max(values)]
+        merged.append(row)
+    return merged
+
+
+def bench_step(settings: Settings) -> dict[str, Any]:
+    models = _models(settings)
+    auto = dtype_name(resolve_ns_dtype(None, settings.device, torch.float32))
+    processes = settings.step_processes
+    rows = measure_step_rows(settings) if processes == 1 else _median_rows(_in_processes(settings))
+    targets, table_rows = [], []
+    for row in rows:
+        name = f"d={row['model'][0]} x {row['model'][1]}"
+        if "ms_per_step" not in row:
+            table_rows.append([name, row["optimizer"], row["ns_dtype"], "skipped", "-", "-", "-", "-", "-"])
+            continue
+        key, ratio = row["variant"], row["ratio_vs_torch"]
+        check = ""
+        if key in ("keller", "polar_express"):
+            bound = STEP_RATIO_SMALL_MAX if tuple(row["model"]) == SMALL_MODEL else STEP_RATIO_MAX
+            targets.append(target(f"step: {row['optimizer']} / torch, {name}", ratio, "<=", bound))
+            check = f"<= {bound}: {verdict(targets[-1]['passed'])}"
+        spread = row.get("range_vs_torch")
+        table_rows.append(
+            [
+                name,
+                row["optimizer"],
+                row["ns_dtype"],
+                row["ms_per_step"],
+                row["reps"],
+                "1 (ref)" if key == "torch" else ratio,
+                "-" if spread is None or key == "torch" else f"{spread[0]:.3f}-{spread[1]:.3f}",
+                "1 (ref)" if key == "heavyball" else row.get("ratio_vs_heavyball", "-"),
+                check,
+            ]
+        )
     print(
         "\n== step: optimizer.step() time, ours vs torch.optim.Muon and vs heavyball.Muon (hidden),"
         " each + torch.optim.AdamW(foreach) =="
     )
     print(
         f"GPT-like parameters, vocab {VOCAB}; fixed random grads; median ms over reps after one warm-up step;"
-        " the reference and ours step in turn (one step each per round); the forced-bf16 row with them where"
-        " bf16 is the automatic dtype, else alone"
+        " the reference and ours step in turn (one step each per round, in a random order); the forced-bf16 row"
+        " with them where bf16 is the automatic dtype, else alone"
     )
+    if processes > 1:
+        print(
+            f"{processes} fresh processes, one after another: ms/step is the median of their medians, x/torch and"
+            " x/heavyball the median of their ratios, range the lowest and highest ratio of one process"
+        )
     print("reps 1* = one step exceeded the time budget, so the warm-up step is the sample")
     for model in models:
-        r = next(r for r in rows if r["model"] == list(model) and "params" in r)
+        r = next(r for r in rows if r["model"] == list(model))
         print(
             f"  d={model[0]} x {model[1]}: {r['params'] / 1e6:.2f} M params, {r['hidden_matrices']} hidden matrices, "
             f"{r['ns_gflop_per_step']:.1f} GFLOP of Newton-Schulz per step"
         )
-    print(table(["model", "optimizer", "NS dtype", "ms/step", "reps", "x/torch", "x/heavyball", "target"], table_rows))
-    return {"models": [list(m) for m in models], "auto_dtype": auto, "rows": rows, "targets": targets}
+    headers = ["model", "optimizer", "NS dtype", "ms/step", "reps", "x/torch", "range", "x/heavyball", "target"]
+    print(table(headers, table_rows))
+    models_json = [list(m) for m in models]
+    return {"models": models_json, "auto_dtype": auto, "processes": processes, "rows": rows, "targets": targets}

@@ -30,6 +30,8 @@ class Settings:
     """Most timed repetitions of one measurement."""
     step_budget_s: float
     """The step table runs its optional bf16 rows only while its own time stays under this."""
+    step_processes: int = 1
+    """Fresh processes the step table measures in, one after another (their medians are reported)."""
 
 
 @dataclass(frozen=True)

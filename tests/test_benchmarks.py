@@ -50,6 +50,32 @@ def test_quick_benchmark_writes_every_table(tmp_path):
         assert f"== {name}" in stdout
 
 
+def test_step_table_in_fresh_processes_reports_the_median_ratio_and_its_range(tmp_path, monkeypatch):
+    out = tmp_path / "x.json"
+    report, stdout = run_benchmark(
+        "bench_optimizer.py", out, "--quick", "--sections", "step", "--step-processes", "2", timeout=300
+    )
+    step = report["sections"]["step"]
+    assert step["processes"] == 2 and "2 fresh processes" in stdout
+    timed = [row for row in step["rows"] if "ms_per_step" in row]
+    assert {row["variant"] for row in timed} >= {"torch", "keller", "polar_express"}
+    for row in timed:
+        runs = row["processes"]
+        assert len(runs) == 2 and row["reps"].startswith("2x")
+        ratios = sorted(r["ratio_vs_torch"] for r in runs)
+        # The median of two is their mean; the range is theirs.
+        assert row["ratio_vs_torch"] == pytest.approx(sum(ratios) / 2)
+        assert row["range_vs_torch"] == ratios
+        assert row["ms_per_step"] == pytest.approx(sum(r["ms_per_step"] for r in runs) / 2)
+    targets = {t["name"]: t["value"] for t in step["targets"]}
+    for row in timed:
+        if row["variant"] in ("keller", "polar_express"):
+            assert targets[f"step: {row['optimizer']} / torch, d=32 x 2"] == row["ratio_vs_torch"]
+    module = _load(ROOT / "benchmarks" / "bench_optimizer.py", monkeypatch)
+    with pytest.raises(SystemExit):
+        module.parse_args(["--step-processes", "0"])
+
+
 def _load(path: Path, monkeypatch: pytest.MonkeyPatch):
     spec = importlib.util.spec_from_file_location(f"_bench_{path.stem}", path)
     module = importlib.util.module_from_spec(spec)
