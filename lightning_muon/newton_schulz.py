@@ -636,13 +636,12 @@ def orthogonalize_many(
 ) -> list[Tensor]:
     """``[orthogonalize(M) for M in matrices]``, with same-shape matrices batched where that pays.
 
-    Matrices are bucketed by (short side, long side, device, dtype); a tall matrix
-    joins the bucket of its transpose. Buckets of matrices that ``stacks`` admits (up to
-    ``BATCH_MAX_ELEMENTS`` elements, more in half precision on a CPU) are stacked into one
-    batched iteration, except one matrix alone past ``BATCH_MAX_ELEMENTS``; other matrices
-    run one by one. Inputs
-    with batch dims are treated as one item. ``method`` is resolved per matrix, as
-    ``orthogonalize`` does.
+    Matrices are bucketed by (short side, long side, device, dtype, method, work dtype); a
+    tall matrix joins the bucket of its transpose. Buckets of matrices that ``stacks``
+    admits (up to ``BATCH_MAX_ELEMENTS`` elements, more in half precision on a CPU) are
+    stacked into one batched iteration, except a lone matrix past ``BATCH_MAX_ELEMENTS``;
+    other matrices run one by one (``runs_alone`` says which). Inputs with batch dims are
+    treated as one item. ``method`` is resolved per matrix, as ``orthogonalize`` does.
     ``keep_work_dtype=True`` returns each result in the dtype it was computed in (bf16 on
     a fast-bf16 device) instead of casting it back: the caller adds it into the parameter
     in one pass (``muon_apply_``), where a cast would be a second full-size pass.
