@@ -21,18 +21,9 @@ from lightning_muon.functional import (
     muon_second_moment_,
     second_moment_buffer,
 )
-from lightning_muon.newton_schulz import resolve_ns_dtype, resolve_ns_method, runs_alone
+from lightning_muon.newton_schulz import donated_dtypes
 
 __all__ = ["MuonGroups"]
-
-
-def _iteration_dtype(g: Tensor, ns_dtype: Any, ns_method: str) -> torch.dtype:
-    """The dtype Newton-Schulz iterates the matrix ``g`` in; ``g``'s own for Gram Newton-Schulz.
-
-    Gram Newton-Schulz raises half precision to float32, so its input keeps full precision.
-    """
-    work = resolve_ns_dtype(ns_dtype, g.device, g.dtype)
-    return g.dtype if resolve_ns_method(ns_method, *g.shape, work) == "gram" else work
 
 
 class MuonGroups:
@@ -55,20 +46,14 @@ class MuonGroups:
                 state["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
             bufs.append(state["momentum_buffer"])
         # Without a hook or a sharding to hand the momentum to, the Nesterov update is a
-        # temporary that Newton-Schulz may use up. A matrix that runs alone gets it made in
-        # the dtype the iteration runs in (the cast folded into the momentum kernel, no
-        # staging copy); one that joins a stack keeps its own dtype and is cast by the copy
-        # into the stack (a bf16 update would be one pass more). Splits and batches keep
-        # theirs: their pieces are cut and copied first.
+        # temporary that Newton-Schulz may use up, made in the dtype ``donated_dtypes`` names
+        # (the cast folded into the momentum kernel). Splits and batches keep theirs: their
+        # pieces are cut and copied first.
         donate = group["nesterov"] and not self._update_hooks and self._sharding is None
         out_dtypes = None
         if donate and group["split_sizes"] is None and not group["batched"]:
             flat = [g.reshape(g.shape[0], -1) for g in grads]  # the matrices Newton-Schulz will see
-            alone = runs_alone(flat, group["ns_dtype"], group["ns_method"])
-            out_dtypes = [
-                _iteration_dtype(m, group["ns_dtype"], group["ns_method"]) if a else m.dtype
-                for m, a in zip(flat, alone)
-            ]
+            out_dtypes = donated_dtypes(flat, group["ns_dtype"], group["ns_method"])
         updates = muon_momentum_(
             grads, bufs, group["momentum"], group["nesterov"], group["momentum_form"], out_dtypes=out_dtypes
         )

@@ -55,6 +55,7 @@ __all__ = [
     "NS_METHODS",
     "bf16_matmul_is_fast",
     "check_ns_method",
+    "donated_dtypes",
     "dtype_name",
     "gram_restarts",
     "ns_flops",
@@ -575,28 +576,38 @@ def stacks(rows: int, cols: int, work_dtype: torch.dtype, device: torch.device) 
     )
 
 
-def _plan(
-    matrices: Sequence[Tensor], dtype: torch.dtype | str | None, method: str
-) -> tuple[list[int], dict[tuple, list[int]]]:
-    """``orthogonalize_many``'s plan: (indices run alone, stacks by key).
+class _Plan(NamedTuple):
+    """``orthogonalize_many``'s plan for a list of matrices."""
 
-    A stack's key is ``(short side, long side, device, dtype, method, work dtype)``.
-    """
+    alone: list[int]
+    """Indices iterated one by one, in order."""
+    stacks: dict[tuple, list[int]]
+    """Indices per stack, keyed ``(short side, long side, device, dtype, method, work dtype)``."""
+    resolved: list[tuple[str, torch.dtype] | None]
+    """Per matrix, ``(method, work dtype)``; None for what is not a non-empty 2-D matrix."""
+
+
+def _plan(matrices: Sequence[Tensor], dtype: torch.dtype | str | None, method: str) -> _Plan:
     check_ns_method(method)
     buckets: dict[tuple, list[int]] = {}
     alone: list[int] = []
-    keys: dict[tuple, tuple | None] = {}  # (shape, device, dtype) -> stack key, None alone: one answer per kind
+    resolved: list[tuple[str, torch.dtype] | None] = []
+    # (shape, device, dtype) -> ((method, work dtype), stack key or None): one answer per kind
+    kinds: dict[tuple, tuple[tuple[str, torch.dtype], tuple | None]] = {}
     for i, M in enumerate(matrices):
         if M.ndim != 2 or M.numel() == 0:
             alone.append(i)
+            resolved.append(None)
             continue
         kind = (*M.shape, M.device, M.dtype)
-        if kind not in keys:
+        if kind not in kinds:
             rows, cols = M.shape
             bucket_method, work_dtype = _method_and_dtype(method, rows, cols, dtype, M)
             stacked = stacks(rows, cols, work_dtype, M.device)
-            keys[kind] = (min(rows, cols), max(rows, cols), *kind[2:], bucket_method, work_dtype) if stacked else None
-        key = keys[kind]
+            key = (min(rows, cols), max(rows, cols), *kind[2:], bucket_method, work_dtype) if stacked else None
+            kinds[kind] = ((bucket_method, work_dtype), key)
+        how, key = kinds[kind]
+        resolved.append(how)
         if key is None:
             alone.append(i)
         else:
@@ -606,7 +617,7 @@ def _plan(
     # their stack: laid wide, as a sharded run (which donates nothing) iterates them.
     for key in [key for key, idx in buckets.items() if len(idx) == 1 and key[0] * key[1] > BATCH_MAX_ELEMENTS]:
         alone += buckets.pop(key)
-    return sorted(alone), buckets
+    return _Plan(sorted(alone), buckets, resolved)
 
 
 def runs_alone(
@@ -614,15 +625,33 @@ def runs_alone(
 ) -> list[bool]:
     """Per matrix, whether ``orthogonalize_many`` iterates it alone rather than in a stack.
 
-    Only the shapes, dtypes and devices are read: a caller can ask before the matrices
-    exist (``Muon`` makes the update of a matrix that runs alone in the work dtype, and
-    that of a stacked one in its own: the stack's copy casts it).
+    Only the shapes, dtypes and devices are read, so a caller can ask before the matrices exist.
     """
-    alone, _ = _plan(matrices, dtype, method)
     flags = [False] * len(matrices)
-    for i in alone:
+    for i in _plan(matrices, dtype, method).alone:
         flags[i] = True
     return flags
+
+
+def donated_dtypes(
+    matrices: Sequence[Tensor], dtype: torch.dtype | str | None = None, method: str = "standard"
+) -> list[torch.dtype]:
+    """Per matrix, the dtype to make a temporary in that ``orthogonalize_many(donate=True)`` will take.
+
+    The work dtype for a matrix that runs alone with the standard iteration: it is iterated
+    in place, with no staging copy. Its own dtype otherwise: a stacked matrix is cast by the
+    copy into its stack (made in the work dtype, it would cost a pass more), and Gram
+    Newton-Schulz raises half precision to float32, so its input keeps full precision. Only
+    the shapes, dtypes and devices are read (``Muon`` asks with the gradients, then makes the
+    Nesterov updates).
+    """
+    plan = _plan(matrices, dtype, method)
+    out = [M.dtype for M in matrices]
+    for i in plan.alone:
+        how = plan.resolved[i]
+        if how is not None and how[0] == "standard":
+            out[i] = how[1]
+    return out
 
 
 def orthogonalize_many(
@@ -655,7 +684,7 @@ def orthogonalize_many(
     check_ns_method(method)
     out: list[Tensor | None] = [None] * len(matrices)
     release = donate and isinstance(matrices, list)
-    alone, buckets = _plan(matrices, dtype, method)
+    alone, buckets, _ = _plan(matrices, dtype, method)
     for i in alone:
         M = matrices[i]
         result = _orthogonalize(M, steps, coefficients, dtype, method, donate)
