@@ -2,139 +2,28 @@
 
 from __future__ import annotations
 
-import math
-import warnings
 from datetime import timedelta
 from typing import Any
 
 import torch
-import torch.distributed as dist
 from lightning.fabric.plugins.collectives.torch_collective import default_pg_timeout
-from lightning.pytorch.core.optimizer import LightningOptimizer
 from lightning.pytorch.strategies import ModelParallelStrategy
 from lightning.pytorch.utilities.model_helpers import is_overridden
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
-from torch import nn
-from torch.distributed.tensor import DTensor, Shard
-from torch.distributed.tensor.placement_types import _StridedShard
 from typing_extensions import override
 
-from lightning_muon.distributed.comm import all_reduce_
-from lightning_muon.distributed.fsdp import FSDP_MODES, MuonFSDPSharding
+from lightning_muon.distributed.fsdp import MuonFSDPSharding
 from lightning_muon.distributed.tensor_parallel import MuonTPSharding
-from lightning_muon.distributed.tp_math import TP_MODES
 from lightning_muon.muon import Muon
-from lightning_muon.routing import TRANSPOSED_MODULES
 from lightning_muon.strategies._checkpoint import explained_reads
 from lightning_muon.strategies._exit import destroy_process_group_at_exit
+from lightning_muon.strategies.ddp_core import unwrap
+from lightning_muon.strategies.fsdp_core import MuonFSDPCore, default_fully_shard, is_sharded
 
 __all__ = ["MuonFSDPStrategy", "default_fully_shard"]
-
-# Modules without a forward of their own: their elements are what runs.
-_CONTAINERS = (nn.ModuleList, nn.ModuleDict)
-
-
-def _is_sharded(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return any(isinstance(m, FSDPModule) for m in module.modules()) or any(
-        isinstance(p, DTensor) for p in module.parameters()
-    )
-
-
-# Layers whose matrix weights make a block worth its own FSDP unit: nn.Linear, convolutions,
-# and module types known by class name (transformers' Conv1D, GPT-2's projections).
-_MATRIX_LAYERS = (nn.Linear, nn.Conv1d, nn.Conv2d, nn.Conv3d)
-
-
-def _holds_matrix_layer(module: nn.Module) -> bool:
-    return any(isinstance(m, _MATRIX_LAYERS) or type(m).__name__ in TRANSPOSED_MODULES for m in module.modules())
-
-
-def default_fully_shard(module: nn.Module, mesh: Any) -> list[str]:
-    """Apply ``fully_shard`` the way ``MuonFSDPStrategy`` does for a module that did not; returns the units.
-
-    1. Blocks: each element of an ``nn.ModuleList`` / ``nn.Sequential`` (at any depth) that
-       holds a matrix layer (``nn.Linear``, a convolution, or a module type of
-       ``TRANSPOSED_MODULES`` such as GPT-2's ``Conv1D``) becomes its own FSDP unit
-       (transformer blocks; the layers of a Sequential MLP). Sharded blocks are not
-       searched further. A plan of one unit (the whole model gathered at once) warns.
-    2. Roots: each direct child of ``module`` that holds parameters becomes an FSDP unit
-       over what the blocks left (embeddings, norms, heads); a ``ModuleList`` child has
-       no forward, so its elements are taken instead.
-
-    ``module`` itself (the LightningModule) is not sharded: Lightning calls
-    ``training_step``, not its ``forward``, so FSDP2's hooks on it would never run.
-
-    Raises:
-        ValueError: ``module`` holds parameters directly, or in a ``ParameterList`` /
-            ``ParameterDict`` child (no forward of theirs would gather them).
-    """
-    from torch.distributed.fsdp import fully_shard
-
-    # Parameters that only the LightningModule's own code uses: no FSDP unit's forward would gather them.
-    direct = [name for name, _ in module.named_parameters(recurse=False)]
-    direct += [
-        name
-        for name, child in module.named_children()
-        if isinstance(child, (nn.ParameterList, nn.ParameterDict)) and len(child)
-    ]
-    if direct:
-        raise ValueError(
-            f"MuonFSDPStrategy: {type(module).__name__} holds parameters directly ({direct}); the default sharding "
-            "shards child modules only. Move them into a submodule, or apply fully_shard in configure_model()"
-        )
-    units: list[str] = []
-
-    def shard_blocks(parent: nn.Module, prefix: str) -> None:
-        for name, child in parent.named_children():
-            path = f"{prefix}{name}"
-            if isinstance(parent, (nn.ModuleList, nn.Sequential)) and _holds_matrix_layer(child):
-                fully_shard(child, mesh=mesh)
-                units.append(path)
-            else:
-                shard_blocks(child, f"{path}.")
-
-    def shard_roots(parent: nn.Module, prefix: str) -> None:
-        for name, child in parent.named_children():
-            path = f"{prefix}{name}"
-            if not any(True for _ in child.parameters()):
-                continue
-            if isinstance(child, _CONTAINERS):
-                shard_roots(child, f"{path}.")
-            elif not _is_fsdp(child):
-                fully_shard(child, mesh=mesh)
-                units.append(path)
-
-    shard_blocks(module, "")
-    shard_roots(module, "")
-    if len(units) == 1:
-        warnings.warn(
-            f"MuonFSDPStrategy: the default sharding made a single FSDP unit ({units[0]!r}), so the whole model is "
-            "gathered at once; no nn.ModuleList / nn.Sequential of blocks holding matrix layers was found. Apply "
-            "fully_shard per block in the LightningModule's configure_model() to shard it finer",
-            UserWarning,
-            stacklevel=2,
-        )
-    return units
-
-
-def _is_fsdp(module: nn.Module) -> bool:
-    from torch.distributed.fsdp import FSDPModule
-
-    return isinstance(module, FSDPModule)
-
-
-def _on_2d_mesh(p: Any) -> bool:
-    return isinstance(p, DTensor) and p.device_mesh.ndim > 1
 
 
 def _no_configure_model() -> None:
     """Stands in for a missing ``configure_model`` during ``MuonFSDPStrategy.setup`` (the default sharding applies)."""
-
-
-def _inner(optimizer: Any) -> Any:
-    return optimizer._optimizer if isinstance(optimizer, LightningOptimizer) else optimizer
 
 
 class MuonFSDPStrategy(ModelParallelStrategy):
@@ -193,19 +82,7 @@ class MuonFSDPStrategy(ModelParallelStrategy):
         process_group_backend: str | None = None,
         timeout: timedelta | None = default_pg_timeout,
     ) -> None:
-        if muon_mode not in FSDP_MODES:
-            raise ValueError(f"muon_mode must be one of {FSDP_MODES}, got {muon_mode!r}")
-        if tp_mode is not None and tp_mode not in TP_MODES:
-            raise ValueError(f"tp_mode must be one of {TP_MODES} or None, got {tp_mode!r}")
-        for name, size in (("data_parallel_size", data_parallel_size), ("tensor_parallel_size", tensor_parallel_size)):
-            if size == "auto" and name == "data_parallel_size":
-                continue
-            if isinstance(size, bool) or not isinstance(size, int) or size < 1:
-                raise ValueError(f"{name} must be a positive int{' or auto' if name[0] == 'd' else ''}, got {size!r}")
-        if muon_mode != "owner" and tensor_parallel_size > 1:
-            raise ValueError(
-                f"muon_mode={muon_mode!r} is for FSDP2 alone; with tensor_parallel_size > 1 choose tp_mode instead"
-            )
+        self.muon = MuonFSDPCore(muon_mode, data_parallel_size, tensor_parallel_size, tp_mode, who=type(self).__name__)
         super().__init__(
             data_parallel_size=data_parallel_size,
             tensor_parallel_size=tensor_parallel_size,
@@ -213,36 +90,32 @@ class MuonFSDPStrategy(ModelParallelStrategy):
             process_group_backend=process_group_backend,
             timeout=timeout,
         )
-        self.muon_mode = muon_mode
-        self.tp_mode = tp_mode
         self.default_units: list[str] = []
         """The FSDP units the default sharding made (empty when the module sharded itself)."""
 
     @property
+    def muon_mode(self) -> str:
+        return self.muon.muon_mode
+
+    @property
+    def tp_mode(self) -> str | None:
+        return self.muon.tp_mode
+
+    @property
     def shardings(self) -> list[MuonFSDPSharding | MuonTPSharding]:
         """The sharding of every ``Muon`` optimizer that has one."""
-        optimizers = [_inner(o) for o in self.optimizers]
+        optimizers = [unwrap(o) for o in self.optimizers]
         return [o.sharding for o in optimizers if isinstance(o, Muon) and o.sharding is not None]
 
     @override
     def _configure_launcher(self) -> None:
         # ModelParallelStrategy rejects 16-mixed only when passed as an instance, not by name.
-        if getattr(self.precision_plugin, "precision", None) == "16-mixed":
-            raise ValueError(f"{type(self).__name__} does not support precision='16-mixed'; use 'bf16-mixed'")
+        self.muon.check_precision(self.precision_plugin)
         super()._configure_launcher()
 
     @override
     def setup_environment(self) -> None:
-        # The ranks not in tensor-parallel groups form the data-parallel dimension ("auto" in
-        # ModelParallelStrategy would make it the node count).
-        world, tp = self.num_nodes * self.num_processes, self._tensor_parallel_size
-        dp = world // tp if self._data_parallel_size == "auto" else self._data_parallel_size
-        if dp * tp != world:
-            raise ValueError(
-                f"{type(self).__name__}: data_parallel_size={self._data_parallel_size} x tensor_parallel_size={tp} "
-                f"must equal the number of processes ({world})"
-            )
-        self._data_parallel_size = dp
+        self._data_parallel_size, _ = self.muon.mesh_sizes(self.num_nodes * self.num_processes)
         super().setup_environment()
         destroy_process_group_at_exit()  # gloo too, not only NCCL as Lightning does
 
@@ -266,79 +139,22 @@ class MuonFSDPStrategy(ModelParallelStrategy):
         # ModelParallelStrategy.setup's first hook after configure_model: where that applied no
         # fully_shard, the default sharding does, before the optimizers see the parameters.
         assert self.model is not None
-        if not _is_sharded(self.model):
+        if not is_sharded(self.model):
             self.default_units = default_fully_shard(self.model, self.device_mesh["data_parallel"])
         super().model_to_device()
 
     @override
     def setup_optimizers(self, trainer: Any) -> None:
         super().setup_optimizers(trainer)
-        two_d = False
-        for optimizer in map(_inner, self.optimizers):
-            on_2d = {g["algorithm"] for g in optimizer.param_groups for p in g["params"] if _on_2d_mesh(p)}
-            two_d |= bool(on_2d)
-            if not (isinstance(optimizer, Muon) and any(g["algorithm"] == "muon" for g in optimizer.param_groups)):
-                continue
-            if self._tensor_parallel_size > 1 or "muon" in on_2d:
-                sharding = MuonTPSharding(optimizer, tp_mode=self._resolve_tp_mode(optimizer))
-                rank_zero_info(
-                    f"{type(self).__name__}: Muon on a {sharding.dp_size} x {sharding.tp_size} (data x tensor) mesh, "
-                    f"tp_mode={sharding.tp_mode!r}"
-                )
-            else:
-                MuonFSDPSharding(optimizer, mode=self.muon_mode)
-        if two_d:
+        self.muon.attach(self.optimizers, self.model)
+        if self.muon.global_clipping:
             # Lightning's clipping stacks per-parameter norms, which fails across a 1-D and a 2-D mesh.
             self.precision_plugin.clip_grad_by_norm = self._clip_grad_by_global_norm  # type: ignore[method-assign]
 
-    def _resolve_tp_mode(self, optimizer: Muon) -> str:
-        """The strategy's ``tp_mode`` if set (written into every Muon group), else the groups' own (all alike)."""
-        groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
-        modes = {g["tp_mode"] for g in groups}
-        if self.tp_mode is None:
-            if len(modes) > 1:
-                raise ValueError(f"MuonFSDPStrategy: the Muon groups ask for different tp_modes {sorted(modes)}")
-            return modes.pop()
-        clash = modes - {self.tp_mode, TP_MODES[0]}  # a group left at the default takes the strategy's
-        if clash:
-            raise ValueError(
-                f"MuonFSDPStrategy(tp_mode={self.tp_mode!r}) and the optimizer's tp_mode {sorted(clash)} (MuonConfig."
-                "tp_mode) disagree; set one of them"
-            )
-        for g in groups:
-            g["tp_mode"] = self.tp_mode
-        return self.tp_mode
-
     @torch.no_grad()
     def _clip_grad_by_global_norm(self, optimizer: Any, clip_val: float) -> None:
-        """``clip_grad_norm_`` over every gradient, whatever mesh its DTensor lives on.
-
-        Each rank sums the squares of its local pieces, each divided by the number of ranks
-        holding a copy of it (the world size over the mesh sizes it is sharded across), and one
-        all-reduce over the world gives the global sum of squares.
-        """
-        grads = [p.grad for p in self.precision_plugin.main_params(optimizer) if p.grad is not None]
-        if not grads:
-            return
-        world = dist.get_world_size()
-        device = self.root_device
-        total = torch.zeros(1, dtype=torch.float32, device=device)
-        for g in grads:
-            local, copies = g, world
-            if isinstance(g, DTensor):
-                local = g.to_local()
-                sharded = [
-                    g.device_mesh.size(i) for i, pl in enumerate(g.placements) if isinstance(pl, (Shard, _StridedShard))
-                ]
-                copies = world // math.prod(sharded)
-            if local.numel():
-                total += local.detach().float().square().sum().to(device) / copies
-        sharding = getattr(_inner(optimizer), "sharding", None)
-        stats = sharding.stats_by_dim["world"] if isinstance(sharding, MuonTPSharding) else None
-        all_reduce_(total, stats=stats, name="clip_norm")
-        coef = torch.clamp(clip_val / (total.sqrt() + 1e-6), max=1.0)
-        for g in grads:
-            (g.to_local() if isinstance(g, DTensor) else g).mul_(coef.to(g.device))
+        """Lightning's ``clip_grad_by_norm`` with the global norm over every mesh (``MuonFSDPCore.clip_grad_norm_``)."""
+        self.muon.clip_grad_norm_(optimizer, list(self.precision_plugin.main_params(optimizer)), clip_val)
 
     @override
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
