@@ -56,6 +56,7 @@ __all__ = [
     "RoutingConfig",
     "Rule",
     "route_parameters",
+    "unwrap_module",
 ]
 
 SCALAR_ALGORITHMS = ALGORITHMS[1:]
@@ -344,6 +345,21 @@ class RoutingConfig:
         return route_parameters(module, **self.kwargs())
 
 
+def unwrap_module(module: nn.Module) -> nn.Module:
+    """The model inside wrappers that hold it whole: Fabric's ``_FabricModule`` (its ``.module``), DDP's
+    ``DistributedDataParallel`` (``.module``) and ``torch.compile``'s ``OptimizedModule`` (``._orig_mod``)."""
+    from lightning.fabric.wrappers import _FabricModule
+    from torch.nn.parallel import DistributedDataParallel
+
+    while True:
+        if isinstance(module, (_FabricModule, DistributedDataParallel)):
+            module = module.module
+        elif type(module).__name__ == "OptimizedModule":  # torch._dynamo's, not imported for a name
+            module = module._orig_mod
+        else:
+            return module
+
+
 def route_parameters(
     module: nn.Module,
     rules: Iterable[Rule | dict[str, Any]] | None = None,
@@ -358,7 +374,8 @@ def route_parameters(
     """Split ``module``'s trainable parameters into named param groups by ordered rules.
 
     Args:
-        module: the model.
+        module: the model; a wrapper around it (Fabric's ``_FabricModule``, DDP, ``torch.compile``)
+            is looked through, so names and layer types are the model's own.
         rules: user rules (``Rule`` or dicts of its fields), tried before the defaults.
         default_rules: append the default rules of this module's docstring.
         max_aspect_ratio: send matrices more rectangular than this to AdamW.
@@ -381,6 +398,7 @@ def route_parameters(
     if max_aspect_ratio is not None and not max_aspect_ratio >= 1:
         raise ValueError(f"max_aspect_ratio must be >= 1 or None, got {max_aspect_ratio!r}")
     user_rules = [r if isinstance(r, Rule) else Rule(**r) for r in (rules or [])]
+    module = unwrap_module(module)
     owners = {id(p): m for m in module.modules() for p in m.parameters(recurse=False)}
     embedding_ids = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     head_ids, head_how = _head_params(module, tuple(head_names), head_by_position)

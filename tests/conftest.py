@@ -4,6 +4,10 @@
   the working directory by default (Lightning's ``lightning_logs/``, checkpoints, a
   CLI's saved ``config.yaml``) lands there and never in the repository. Tests name files
   of the repository by absolute path (``Path(__file__).parents[1]``).
+- Environment variables are restored after every test: Lightning's launchers write
+  ``MASTER_PORT``, ``LOCAL_RANK`` and the like into ``os.environ`` of the process that
+  launches (Fabric's ``launch()`` in a test's own process), and a later Trainer would take
+  them for processes started outside it.
 - A test that leaves a default process group initialized in this process (a world of one
   set up by hand, or a run that raised before its own teardown) gets it destroyed, so
   the next test starts without one. Multi-process tests run their ranks in spawned
@@ -17,6 +21,7 @@
 
 from __future__ import annotations
 
+import os
 from collections.abc import Iterator
 from pathlib import Path
 
@@ -53,6 +58,14 @@ def _policy_free_module(request: pytest.FixtureRequest) -> Iterator[None]:
 @pytest.fixture(autouse=True)
 def _work_in_tmp_path(tmp_path: Path, monkeypatch: pytest.MonkeyPatch) -> None:
     monkeypatch.chdir(tmp_path)
+
+
+@pytest.fixture(autouse=True)
+def _restore_environment() -> Iterator[None]:
+    saved = dict(os.environ)
+    yield
+    os.environ.clear()
+    os.environ.update(saved)
 
 
 @pytest.fixture(autouse=True)

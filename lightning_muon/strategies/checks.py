@@ -9,7 +9,7 @@ from torch.distributed.tensor import DTensor
 
 from lightning_muon.muon import Muon
 
-__all__ = ["check_optimizers"]
+__all__ = ["check_optimizers", "holds_parameters"]
 
 
 def check_optimizers(optimizers: list[Any], module: nn.Module, who: str, name: str) -> None:
@@ -53,3 +53,9 @@ def check_optimizers(optimizers: list[Any], module: nn.Module, who: str, name: s
                     f"{who} ({name!r}): {optimizer.param_label(i, j)} is not a parameter of the model the strategy "
                     f"set up ({type(module).__name__}); {hint}"
                 )
+
+
+def holds_parameters(module: nn.Module, optimizer: Any) -> bool:
+    """True when ``module`` holds any parameter of ``optimizer`` (the model it was made for, among several)."""
+    held = {id(p) for p in module.parameters()}
+    return any(id(p) in held for g in optimizer.param_groups for p in g["params"])

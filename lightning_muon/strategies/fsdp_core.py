@@ -178,6 +178,8 @@ class MuonFSDPCore:
         self.tensor_parallel_size = tensor_parallel_size
         self.tp_mode = tp_mode
         self.who = who
+        self.shardings: list[MuonFSDPSharding | MuonTPSharding] = []
+        """The sharding of every ``Muon`` optimizer attached, in order."""
         self.global_clipping = False
         """True once a parameter lives on a 2-D mesh: then only ``clip_grad_norm_`` can take the global norm."""
 
@@ -223,6 +225,7 @@ class MuonFSDPCore:
             else:
                 sharding = MuonFSDPSharding(optimizer, mode=self.muon_mode)
             shardings.append(sharding)
+        self.shardings += shardings
         return shardings
 
     def _resolve_tp_mode(self, optimizer: Muon) -> str:
