@@ -88,7 +88,8 @@ def train(fabric: L.Fabric, spec: dict[str, Any]) -> dict[str, Any]:
     ``clip`` (max norm or None); ``setup``: ``"joint"`` (``fabric.setup(model, optimizer)``) or
     ``"separate"`` (``setup_module`` then ``setup_optimizers``, the optimizer made after it);
     ``save`` / ``save_at``: a path and the step after which to ``fabric.save``; ``load``: a path
-    to ``fabric.load`` before the loop.
+    to ``fabric.load`` before the loop; ``no_sync`` (default True): accumulate inside
+    ``fabric.no_backward_sync``.
     """
     kind, accumulate = spec["kind"], spec.get("accumulate", 1)
     counter = NSCounter()
@@ -111,7 +112,8 @@ def train(fabric: L.Fabric, spec: dict[str, Any]) -> dict[str, Any]:
     for step in range(start, spec["steps"]):
         for micro in range(accumulate):
             x, y = batch(kind, step, micro, *_data_rank_and_world(fabric))
-            with fabric.no_backward_sync(model, enabled=micro < accumulate - 1):
+            # no_sync=False: every micro-batch's backward synchronizes (plain DDP then all-reduces each).
+            with fabric.no_backward_sync(model, enabled=spec.get("no_sync", True) and micro < accumulate - 1):
                 fabric.backward(loss_of(kind, model, x, y) / accumulate)
         if spec.get("clip") is not None:
             fabric.clip_gradients(model, optimizer, max_norm=spec["clip"])

@@ -74,10 +74,20 @@ def _specs(kind: str, strategy, root, **extra) -> list[dict]:
 def test_muon_ddp_two_ranks_equal_one_process_with_accumulation_and_clipping(tmp_path):
     # fabric.setup(model, optimizer), then setup_module + setup_optimizers (the DDP wrapper
     # rebuilt with the Muon matrices ignored), then the Trainer's muon_ddp on the same model.
+    # Then without overlap, accumulating outside no_backward_sync (each backward synchronizes,
+    # as plain DDP allows: the Muon gradients are reduced once, at the step), and all_gather mode.
     kwargs = dict(accumulate=2, clip=0.05)
     reference = one_process(dict(kind="ddp", steps=STEPS, **kwargs))
-    ranks = run_distributed(fabric_worker, 2, _specs("ddp", "muon_ddp", tmp_path, **kwargs))
-    for rank, (joint, separate, trainer) in enumerate(ranks):
+    specs = _specs("ddp", "muon_ddp", tmp_path, **kwargs)
+    specs += [
+        dict(specs[0], strategy=("ddp", dict(overlap=False)), no_sync=False),
+        dict(specs[0], strategy=("ddp", dict(muon_mode="all_gather"))),
+    ]
+    ranks = run_distributed(fabric_worker, 2, specs)
+    for rank, (joint, separate, trainer, no_overlap, all_gather) in enumerate(ranks):
+        _assert_params_equal(no_overlap, reference, f"rank {rank}, overlap=False, no no_backward_sync")
+        _assert_params_equal(all_gather, reference, f"rank {rank}, all_gather")
+        assert all_gather["bytes"]["all"].keys() == {"all_gather", "nonfinite_flag"}  # DDP reduces the rest
         _assert_params_equal(joint, reference, f"rank {rank}, fabric.setup")
         _assert_params_equal(separate, reference, f"rank {rank}, setup_module + setup_optimizers")
         assert joint["bytes"] == separate["bytes"] == trainer["bytes"]
@@ -183,6 +193,17 @@ def test_muon_ddp_refuses_a_plain_optimizer_and_foreign_parameters():
         fabric.setup(model, Muon(other.parameters()))
     with pytest.raises(ValueError, match="set up the model before its optimizer"):
         fabric.setup_optimizers(Muon(model.parameters()))  # no model was set up (both setups above failed)
+
+
+def test_overlap_asks_for_no_backward_sync_when_accumulating():
+    # With overlap, a synchronizing backward sends the Muon gradients at once: a second one
+    # before the step would add to values already sent. It says what to do instead.
+    fabric = _fabric("muon_ddp")
+    model = nn.Sequential(nn.Linear(4, 8), nn.Tanh(), nn.Linear(8, 2))
+    model, optimizer = fabric.setup(model, Muon(model.parameters()))
+    fabric.backward(model(torch.randn(3, 4)).sum())
+    with pytest.raises(RuntimeError, match=r"fabric\.no_backward_sync\(model\).*overlap=False"):
+        fabric.backward(model(torch.randn(3, 4)).sum())
 
 
 def test_muon_fsdp_refuses_a_model_not_sharded_the_supported_way():

@@ -42,6 +42,7 @@ def global_grad_norm(
     device: torch.device,
     group=None,
     stats: CommStats | None = None,
+    replicated: bool = False,
 ) -> Tensor:
     """The ``norm_type``-norm of every gradient of every rank of ``group``, on every rank alike.
 
@@ -53,9 +54,11 @@ def global_grad_norm(
         device: where the (float32) sum lives: the rank's device (NCCL needs a CUDA tensor).
         group: the ranks to reduce over (None: the world); with one rank nothing is sent.
         stats: counts the all-reduce as ``"clip_norm"``.
+        replicated: every rank holds every gradient whole (say so on every rank alike): the
+            norm is taken locally, with nothing sent.
     """
     p = _check_norm_type(norm_type)
-    distributed = dist.is_available() and dist.is_initialized()
+    distributed = dist.is_available() and dist.is_initialized() and not replicated
     world = dist.get_world_size(group) if distributed else 1
     # (sent, kept): values some ranks lack are reduced; values every rank holds are added
     # afterwards, exactly as one process would (no division by the world and back).

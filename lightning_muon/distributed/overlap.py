@@ -103,8 +103,10 @@ class OverlappedReduce:
         b = self._bucket_of[id(p)]
         if id(p) in self._ready[b] or b < self._launched:
             raise RuntimeError(
-                "MuonSharding: a Muon gradient was accumulated twice in one synchronizing backward before the "
-                "optimizer step (two backward passes outside no_sync?); its first value is already on its way"
+                "MuonSharding: a Muon gradient was accumulated twice in synchronizing backward passes before the "
+                "optimizer step; its first value is already on its way to its owner. Accumulate the micro-batches "
+                "but the last inside DDP's no_sync (under Fabric: with fabric.no_backward_sync(model)), or build "
+                "the strategy with overlap=False"
             )
         self._ready[b].add(id(p))
         while self._launched < len(self.buckets) and len(self._ready[self._launched]) == len(

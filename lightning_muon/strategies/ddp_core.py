@@ -177,7 +177,7 @@ class MuonDDPCore:
         groups = world // sharding.group_size if sharding is not None else world
         pieces = [(p.grad, groups if id(p) in sharded else world) for p in params if p.grad is not None]
         stats = sharding.stats if sharding is not None else None
-        total = global_grad_norm(pieces, norm_type, device=grads[0].device, stats=stats)
+        total = global_grad_norm(pieces, norm_type, device=grads[0].device, stats=stats, replicated=not owned_only)
         return clip_by_total_norm_(grads, total, max_norm, norm_type, error_if_nonfinite)
 
     # ------------------------------------------------------------------ checkpoints
