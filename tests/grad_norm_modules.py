@@ -14,9 +14,8 @@ NORM_TYPES = (1.0, 2.0, 3.0, math.inf)
 def gradients() -> dict[str, torch.Tensor]:
     """Every gradient of the model, whole: two sharded matrices, one owned matrix, replicated vectors."""
     gen = torch.Generator().manual_seed(0)
-    return {
-        name: torch.randn(shape, generator=gen) for name, shape in (("a", (5, 4)), ("b", (3, 6)), ("o", (4, 4)))
-    } | {"bias": torch.randn(7, generator=gen) * 3}
+    shapes = {"a": (5, 4), "b": (3, 6), "o": (4, 4), "bias": (7,)}
+    return {name: torch.randn(shape, generator=gen) * (3 if name == "bias" else 1) for name, shape in shapes.items()}
 
 
 def norm_worker(rank: int, world_size: int) -> dict[float, float]:
