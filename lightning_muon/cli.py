@@ -130,6 +130,37 @@ def _error_summary(message: str) -> str:
     return f"{key}: {deepest.strip().removeprefix('- ')}"
 
 
+_UNION_NOISE = ("Expected a <class 'NoneType'>", "Does not validate against any of the Union subtypes")
+
+
+def _instantiation_cause(err: ValueError) -> str | None:
+    """The message of the error that names the field and the fix, from a jsonargparse instantiation error.
+
+    jsonargparse wraps a class's own ``ValueError`` once per nesting level (the MuonConfig in
+    the module in the subcommand). Newer versions chain it as the innermost ``__cause__``;
+    before 4.42 the innermost cause is the union's ``None`` alternative and the class's
+    error survives only as the deepest line of the outermost message. None: not a
+    ``ValueError`` chain (re-raised as it is).
+    """
+    chain: list[BaseException] = []
+    cause: BaseException | None = err
+    while cause is not None:
+        chain.append(cause)
+        cause = cause.__cause__
+    if not isinstance(chain[-1], ValueError):
+        return None
+    for error in reversed(chain):  # innermost first
+        message = str(error).strip()
+        if isinstance(error, ValueError) and not message.startswith(_UNION_NOISE) and len(message.splitlines()) == 1:
+            return message
+    noise = ("- Expected a <class 'NoneType'>", "Given value", "Subtypes:", "Errors:", *_UNION_NOISE)
+    lines = [line for line in str(chain[0]).splitlines() if line.strip() and not line.strip().startswith(noise)]
+    if not lines:
+        return str(chain[-1]).strip()
+    deepest = max(lines, key=lambda line: len(line) - len(line.lstrip()))
+    return deepest.strip().removeprefix("- ")
+
+
 class MuonArgumentParser(LightningArgumentParser):
     """Reports a parse error as its cause first, then the details and a hint; no usage.
 
@@ -287,10 +318,8 @@ class MuonCLI(LightningCLI):
             # innermost error is the one that names the field and the fix.
             if os.environ.get("JSONARGPARSE_DEBUG"):
                 raise
-            cause: BaseException = err
-            while cause.__cause__ is not None:
-                cause = cause.__cause__
-            if not isinstance(cause, ValueError):
+            cause = _instantiation_cause(err)
+            if cause is None:
                 raise
             sys.stderr.write(f"error: {cause}\n")
             sys.stderr.write("tip: JSONARGPARSE_DEBUG=1 shows the traceback\n")

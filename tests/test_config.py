@@ -7,6 +7,7 @@ import dataclasses
 import jsonargparse
 import pytest
 import torch
+from jsonargparse_compat import instantiate
 
 from lightning_muon import Muon, MuonConfig, Rule
 from lightning_muon.routing import DEFAULT_HEAD_NAMES
@@ -188,15 +189,15 @@ def _check_parsed(config: MuonConfig) -> None:
 def test_jsonargparse_reads_it_as_a_typed_argument():
     parser = jsonargparse.ArgumentParser(exit_on_error=False)
     parser.add_argument("--muon", type=MuonConfig)
-    _check_parsed(parser.instantiate(parser.parse_string(YAML)).muon)
+    _check_parsed(instantiate(parser, parser.parse_string(YAML)).muon)
 
 
 def test_jsonargparse_reads_it_as_class_arguments():
     parser = jsonargparse.ArgumentParser(exit_on_error=False)
     parser.add_class_arguments(MuonConfig, "muon")
-    _check_parsed(parser.instantiate(parser.parse_string(YAML)).muon)
+    _check_parsed(instantiate(parser, parser.parse_string(YAML)).muon)
     # A command-line override on top of the YAML.
-    config = parser.instantiate(parser.parse_args(["--muon.lr=0.07"], defaults=True)).muon
+    config = instantiate(parser, parser.parse_args(["--muon.lr=0.07"], defaults=True)).muon
     assert config.lr == 0.07
 
 
@@ -204,7 +205,7 @@ def test_jsonargparse_rejects_a_bad_value_with_the_field_name():
     parser = jsonargparse.ArgumentParser(exit_on_error=False)
     parser.add_argument("--muon", type=MuonConfig)
     with pytest.raises((jsonargparse.ArgumentError, ValueError), match=r"lr"):
-        parser.instantiate(parser.parse_string("muon:\n  lr: -1.0\n"))
+        instantiate(parser, parser.parse_string("muon:\n  lr: -1.0\n"))
 
 
 def test_config_variant_fields_reach_the_optimizer():

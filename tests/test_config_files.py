@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import dataclasses
 import importlib.util
+import sys
 from pathlib import Path
 from typing import Any
 
@@ -17,6 +18,7 @@ import jsonargparse
 import lightning.pytorch as pl
 import pytest
 import yaml
+from jsonargparse_compat import instantiate
 from lightning.pytorch.cli import LightningCLI
 
 from lightning_muon import MuonConfig
@@ -37,6 +39,9 @@ def _parse_with_example_cli(path: Path) -> None:
     """examples/lightning_cli: its own LightningCLI (its model and datamodule classes) parses the file."""
     spec = importlib.util.spec_from_file_location("lightning_cli_example", path.parent / "main.py")
     module = importlib.util.module_from_spec(spec)
+    # Registered as imported modules are: jsonargparse resolves the postponed annotations
+    # (``MuonConfig | None``) through sys.modules (before 4.42 it found no type without it).
+    sys.modules[spec.name] = module
     spec.loader.exec_module(module)
     parse_only = type("ParseOnly", (LightningCLI,), {"instantiate_classes": lambda self: None})
     cli = parse_only(module.DigitsMLP, module.DigitsDataModule, args=["--config", str(path)], run=False)
@@ -107,7 +112,7 @@ def test_example_configs_parse_unchanged(path):
     parser = jsonargparse.ArgumentParser(exit_on_error=False)
     parser.add_argument("--muon", type=MuonConfig)
     for where, written in sections:
-        config = parser.instantiate(parser.parse_object({"muon": copy.deepcopy(written)})).muon
+        config = instantiate(parser, parser.parse_object({"muon": copy.deepcopy(written)})).muon
         _assert_unchanged(config, written, f"{path.name}: {where}")
 
 

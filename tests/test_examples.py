@@ -136,3 +136,20 @@ def test_qk_clip_example_writes_report_and_plot(tmp_path):
     capped = runs["QKClip(threshold=0.05, cap_forward=True)"]
     assert min(capped["forward_max_logit"]) > 0.05 and max(capped["max_logit"]) == 0.05
     assert runs["without QK-clip"]["max_logit"] == runs["without QK-clip"]["forward_max_logit"]
+
+
+@pytest.mark.distributed
+def test_litgpt_example_runs_on_two_fabric_processes(tmp_path):
+    # litgpt's GPT under L.Fabric(strategy="muon_ddp"): Fabric re-runs the script for rank 1.
+    out = tmp_path / "run"
+    args = ("--steps", "4", "--eval-every", "2", "--out", str(out))
+    stdout = _run(str(ROOT / "examples/litgpt/main.py"), *args, cwd=tmp_path)
+    assert "muon_qkv        muon       qkv_names" in stdout  # the routing report, Q, K, V apart
+    assert f"report: {out / 'report.md'}" in stdout
+    assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads((out / "report.json").read_text())
+    assert report["where"] == "2 process(es), strategy MuonDDPStrategy"
+    for name in ("muon", "adamw"):
+        steps, losses = zip(*report["curves"][name])
+        assert steps == (0, 2, 4) and all(math.isfinite(v) for v in losses)
+    assert report["curves"]["muon"][0] == report["curves"]["adamw"][0]  # the same initial model

@@ -5,6 +5,7 @@ from __future__ import annotations
 
 import pytest
 import torch
+from jsonargparse_compat import instantiate
 from torch.testing import assert_close
 
 from lightning_muon import MuonConfig
@@ -79,7 +80,7 @@ def test_megatron_names_read_from_yaml():
         "  extra_scale_factor: 0.2\n  split_qkv: true\n  qkv_split_shapes: [64, 16, 16]\n"
         "  moment2_method: normuon\n  weight_decay_form: cautious\n"
     )
-    config = parser.instantiate(parser.parse_string(yaml)).muon
+    config = instantiate(parser, parser.parse_string(yaml)).muon
     kw = config.optimizer_kwargs()
     assert (kw["ns_coefficients"], kw["ns_steps"], kw["adjust_lr"]) == ("polar_express_paper", 8, "spectral")
     assert (kw["extra_scale_factor"], kw["second_moment"], kw["weight_decay_form"]) == (0.2, "normuon", "cautious")
