@@ -77,7 +77,7 @@ def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     out = {}
     for name, p in model.named_parameters():
         value = p.full_tensor() if hasattr(p, "full_tensor") else p
-        out[name.removeprefix("_forward_module.").removeprefix("module.")] = value.detach().clone()
+        out[name.removeprefix("_forward_module.").removeprefix("module.")] = value.detach().cpu().clone()
     return out
 
 
@@ -111,7 +111,7 @@ def train(fabric: L.Fabric, spec: dict[str, Any]) -> dict[str, Any]:
     counter.phase = "train"
     for step in range(start, spec["steps"]):
         for micro in range(accumulate):
-            x, y = batch(kind, step, micro, *_data_rank_and_world(fabric))
+            x, y = fabric.to_device(batch(kind, step, micro, *_data_rank_and_world(fabric)))
             # no_sync=False: every micro-batch's backward synchronizes (plain DDP then all-reduces each).
             with fabric.no_backward_sync(model, enabled=spec.get("no_sync", True) and micro < accumulate - 1):
                 fabric.backward(loss_of(kind, model, x, y) / accumulate)

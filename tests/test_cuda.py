@@ -13,6 +13,7 @@ import pytest
 import torch
 import torch.distributed as dist
 from ddp_modules import TinyRegressor
+from fabric_modules import one_process, train
 from fsdp_modules import FSDPRegressor, trainer_kwargs
 from torch import nn
 
@@ -127,6 +128,24 @@ def test_one_gpu_fit_under_each_strategy(tmp_path, strategy):
         full = p.full_tensor() if hasattr(p, "full_tensor") else p
         assert bool(full.isfinite().all()), name
         assert not torch.equal(full.cpu(), before[name].cpu()), name
+
+
+@pytest.mark.parametrize(("strategy", "kind"), [("muon_ddp", "ddp"), ("muon_fsdp", "fsdp")])
+def test_one_gpu_fabric_loop_under_each_strategy(strategy, kind):
+    """Fabric's loop (accumulation, clipping) on one GPU under NCCL equals the same loop on the CPU."""
+    import lightning as L
+
+    spec = dict(kind=kind, steps=4, accumulate=2, clip=0.5, setup="separate")
+    fabric = L.Fabric(accelerator="gpu", devices=1, strategy=strategy)
+    fabric.launch()
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")
+        result = train(fabric, spec)
+    assert torch.distributed.get_backend() == "nccl"
+    reference = one_process(spec)
+    for name, expected in reference["params"].items():
+        # fp32 on both; different blocking of the same sums (see test_muon_step_on_cuda_equals_cpu_in_float32).
+        torch.testing.assert_close(result["params"][name], expected, rtol=1e-4, atol=1e-5)
 
 
 def test_flex_attention_max_scores_equal_the_sdpa_drop_in_maxima():
