@@ -66,7 +66,7 @@ def train(fabric: L.Fabric, name: str, settings: dict, config: Config, data: tup
     with fabric.init_module():
         model = GPT(config)
     initialize_weights(fabric, model, config.n_layer, config.n_embd)  # litgpt's own pretraining init
-    muon_config = MuonConfig.from_any({**settings[name], "total_steps": t["steps"]})
+    muon_config = MuonConfig.from_any({**settings[f"{name}_config"], "total_steps": t["steps"]})
     if isinstance(fabric.strategy, MuonFSDPStrategy):  # FSDP2: the optimizer after the model
         model = fabric.setup_module(model)
         optimizer, scheduler = muon_config.build(model)
