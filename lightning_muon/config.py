@@ -16,22 +16,21 @@ from typing import Any, Literal
 
 from torch import nn
 
-from lightning_muon.hparams import (
+from lightning_muon.algorithms import (
     SCHEDULE_FREE,
     AdamWHparams,
-    AdjustLR,
-    CoefficientName,
     HparamError,
     LionHparams,
     MuonHparams,
-    NonFinite,
-    NSDtype,
-    OptimizerConfig,
     ScheduleFreeHparams,
+    algorithm_names,
 )
+from lightning_muon.algorithms.adamw_schedulefree import schedulefree
+from lightning_muon.algorithms.muon import AdjustLR, CoefficientName, NSDtype
+from lightning_muon.hparams import NonFinite, OptimizerConfig
 from lightning_muon.megatron import MEGATRON_COEFFICIENTS, QKV_NAMES, map_megatron_names, split_rules
-from lightning_muon.routing import DEFAULT_HEAD_NAMES, SCALAR_ALGORITHMS, RoutingConfig, Rule
-from lightning_muon.schedule_free import schedulefree
+from lightning_muon.muon import Muon
+from lightning_muon.routing import DEFAULT_HEAD_NAMES, RoutingConfig, Rule
 from lightning_muon.schedules import Falloff, LRSchedule, MomentumWarmup, MuonScheduler, ScheduleConfig
 
 __all__ = ["MEGATRON_COEFFICIENTS", "QKV_NAMES", "MuonConfig"]
@@ -174,9 +173,10 @@ class MuonConfig:
         if self.ns_coefficients is not None and not isinstance(self.ns_coefficients, str):
             self.ns_coefficients = [tuple(abc) for abc in self.ns_coefficients]
         map_megatron_names(self)
-        if self.scalar_optimizer not in SCALAR_ALGORITHMS:
+        scalar_algorithms = algorithm_names(orthogonal=False)
+        if self.scalar_optimizer not in scalar_algorithms:
             raise ValueError(
-                f"MuonConfig.scalar_optimizer must be one of {SCALAR_ALGORITHMS}, got {self.scalar_optimizer!r}"
+                f"MuonConfig.scalar_optimizer must be one of {scalar_algorithms}, got {self.scalar_optimizer!r}"
             )
         if self.max_aspect_ratio is not None and not self.max_aspect_ratio >= 1:
             raise ValueError(f"MuonConfig.max_aspect_ratio must be >= 1 or None, got {self.max_aspect_ratio!r}")
@@ -221,7 +221,7 @@ class MuonConfig:
         ``total_steps`` is the run's length where the schedule needs one and the config
         does not set it (``configure_muon_optimizers`` takes the trainer's estimate).
         """
-        optimizer = self.optimizer.build(self.routing.build(module))
+        optimizer = Muon.from_config(self.routing.build(module), self.optimizer)
         total = self.total_steps if total_steps is None else total_steps
         return optimizer, MuonScheduler(optimizer, self.schedule.build(total), self.schedule.momentum_warmup)
 

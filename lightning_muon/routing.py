@@ -46,7 +46,7 @@ from typing import Any, Literal
 
 from torch import Tensor, nn
 
-from lightning_muon.hparams import ALGORITHMS
+from lightning_muon.algorithms import algorithm_names, get_algorithm
 
 __all__ = [
     "DEFAULT_HEAD_NAMES",
@@ -58,7 +58,6 @@ __all__ = [
     "route_parameters",
 ]
 
-SCALAR_ALGORITHMS = ALGORITHMS[1:]
 DEFAULT_HEAD_NAMES = ("lm_head", "head", "output", "output_layer", "output_projection", "classifier", "fc_out")
 # Module class names whose 2-D ``weight`` is stored (fan_in, fan_out), the transpose of
 # nn.Linear: transformers' Conv1D (GPT-2, GPT-J style). Matched by name: no import needed.
@@ -101,9 +100,7 @@ def _call(fn: Callable | str, *args: Any) -> bool:
 
 def _check_option_names(rule: str, algorithm: str, options: dict[str, Any]) -> None:
     """A typo in an option would become a group key nobody reads: refuse it, with the closest valid name."""
-    from lightning_muon.param_groups import option_names  # the algorithms' configs own their names
-
-    valid = option_names(algorithm)
+    valid = get_algorithm(algorithm).option_names()
     for key in options:
         if key not in valid:
             close = difflib.get_close_matches(str(key), sorted(valid), n=1)
@@ -146,8 +143,10 @@ class Rule:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"Rule.name must be a non-empty string, got {self.name!r}")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"Rule {self.name!r}: algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        try:
+            get_algorithm(self.algorithm)
+        except ValueError as err:
+            raise ValueError(f"Rule {self.name!r}: {err}") from None
         if self.regex is not None:
             try:
                 re.compile(self.regex)
@@ -376,8 +375,9 @@ def route_parameters(
         ValueError: a bad rule; a parameter no rule matches; a user rule sending a
             1-D parameter to Muon; two rules sharing a group with different settings.
     """
-    if scalar_algorithm not in SCALAR_ALGORITHMS:
-        raise ValueError(f"scalar_algorithm must be one of {SCALAR_ALGORITHMS}, got {scalar_algorithm!r}")
+    scalar_algorithms = algorithm_names(orthogonal=False)
+    if scalar_algorithm not in scalar_algorithms:
+        raise ValueError(f"scalar_algorithm must be one of {scalar_algorithms}, got {scalar_algorithm!r}")
     if max_aspect_ratio is not None and not max_aspect_ratio >= 1:
         raise ValueError(f"max_aspect_ratio must be >= 1 or None, got {max_aspect_ratio!r}")
     user_rules = [r if isinstance(r, Rule) else Rule(**r) for r in (rules or [])]
