@@ -69,6 +69,7 @@ class OptimizerConfig:
         out = {}
         for part in BUILTIN_HPARAMS.values():
             out.update({part.prefix + f.name: f.default for f in dataclasses.fields(part)})
+        out["algorithm_defaults"] = None
         out["nonfinite"] = "raise"
         return out
 
@@ -94,6 +95,7 @@ class OptimizerConfig:
         for algorithm, part in BUILTIN_HPARAMS.items():
             values = getattr(self, algorithm)
             out.update({part.prefix + f.name: getattr(values, f.name) for f in dataclasses.fields(part)})
+        out["algorithm_defaults"] = {n: dataclasses.asdict(h) for n, h in self.algorithm_defaults.items()} or None
         out["nonfinite"] = self.nonfinite
         return out
 
@@ -130,10 +132,10 @@ def _registered_hparams(values: Mapping[str, Any]) -> dict[str, Any]:
                 "algorithm_defaults",
             )
         if isinstance(given, algorithm.hparams):
-            out[name] = given
+            out[algorithm.name] = given  # an import path stored under the registered name
         elif isinstance(given, Mapping):
             try:
-                out[name] = algorithm.make_hparams(dict(given), where)
+                out[algorithm.name] = algorithm.make_hparams(dict(given), where)
             except HparamError as err:
                 raise HparamError(str(err), "algorithm_defaults") from None
         else:

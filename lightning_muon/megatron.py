@@ -126,10 +126,11 @@ def split_rules(config: Any) -> list[Rule]:
         return []
     sizes = list(config.qkv_split_shapes)
     options = {"split_sizes": sizes}
+    matrices = config.matrix_optimizer  # Muon, or the variant the config trains hidden matrices with
     return [
         Rule(
             name="mha_in_proj",
-            algorithm="muon",
+            algorithm=matrices,
             group="muon_mha_in_proj",
             names="*in_proj_weight",
             module_types="MultiheadAttention",
@@ -137,15 +138,15 @@ def split_rules(config: Any) -> list[Rule]:
         ),
         Rule(
             name="qkv_names_transposed",
-            algorithm="muon",
+            algorithm=matrices,
             group="muon_qkv_transposed",
             regex=QKV_NAMES,
             module_types=TRANSPOSED_MODULES,
             min_ndim=2,
             options={**options, "transposed": True},
         ),
-        Rule(name="split_qkv", algorithm="muon", group="muon_qkv", attributes="is_qkv", min_ndim=2, options=options),
-        Rule(name="qkv_names", algorithm="muon", group="muon_qkv", regex=QKV_NAMES, min_ndim=2, options=options),
+        Rule(name="split_qkv", algorithm=matrices, group="muon_qkv", attributes="is_qkv", min_ndim=2, options=options),
+        Rule(name="qkv_names", algorithm=matrices, group="muon_qkv", regex=QKV_NAMES, min_ndim=2, options=options),
     ]
 
 

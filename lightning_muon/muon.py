@@ -85,6 +85,8 @@ class Muon(Optimizer):
             weight decay default to AdamW's).
         adamw_schedulefree_*: Schedule-Free AdamW group defaults, ``ScheduleFreeHparams``
             (``AdamWScheduleFree``'s keywords; lr and weight decay default to AdamW's).
+        algorithm_defaults: group defaults of other registered algorithms, by name: a dict of
+            their hyperparameters (``{"muon_hyperball": {"hyperball_radius": 1.0}}``).
         nonfinite: ``"raise"`` (default) on a NaN/inf gradient, naming the group and
             parameter, ``"skip"`` the whole step with a warning, or ``"ignore"``: no check, as
             in torch.optim (a NaN reaches the weights, and a step is free of host-device
@@ -136,6 +138,7 @@ class Muon(Optimizer):
         adamw_schedulefree_warmup_steps: int = _S.warmup_steps,
         adamw_schedulefree_r: float = _S.r,
         adamw_schedulefree_weight_lr_power: float = _S.weight_lr_power,
+        algorithm_defaults: dict[str, dict[str, Any]] | None = None,
         nonfinite: NonFinite = "raise",
     ) -> None:
         keywords = {k: v for k, v in locals().items() if k not in ("self", "params", "__class__")}

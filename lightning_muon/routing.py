@@ -26,6 +26,11 @@ then the default rules:
    (group ``muon_transposed``), so the lr scale reads fan_out and fan_in the right way round.
 8. ``hidden_matrices``: every other parameter (>= 2 dims) -> Muon (group ``muon``).
 
+``scalar_algorithm`` replaces AdamW in the default rules (``"lion"``, ``"adamw_schedulefree"``
+or a registered algorithm of your own; the groups take its name) and ``matrix_algorithm``
+replaces Muon (a registered variant such as ``"muon_hyperball"``). A rule's ``algorithm`` is
+any registered name, or the import path of an ``Algorithm`` (registered on first use).
+
 Frozen parameters (``requires_grad=False``) are left out. Within a rule, several
 values of one matcher are alternatives (any glob may match); different matchers
 must all match (a name glob AND a module type).
@@ -42,11 +47,11 @@ import re
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_muon.algorithms import algorithm_names, get_algorithm
+from lightning_muon.algorithms import get_algorithm, get_algorithm_of_kind, orthogonalizes
 
 __all__ = [
     "DEFAULT_HEAD_NAMES",
@@ -118,7 +123,8 @@ class Rule:
     name: str
     """Rule name, shown in the routing report and in errors."""
     algorithm: str
-    """``"muon"``, ``"adamw"``, ``"lion"`` or ``"adamw_schedulefree"``."""
+    """A registered algorithm (``"muon"``, ``"adamw"``, ``"lion"``, ``"adamw_schedulefree"``, ...) or an
+    ``Algorithm``'s import path."""
     names: str | tuple[str, ...] = ()
     """Glob patterns (``fnmatch``) on the full parameter name, e.g. ``"*.attn.qkv.weight"``."""
     regex: str | None = None
@@ -231,7 +237,7 @@ class ParamGroups(list):
                 by_rule.setdefault(self.assignments.get(name, "?"), []).append(j)
             if not by_rule:  # groups built without names
                 by_rule = {"?": list(range(len(g["params"])))}
-            layout = "-" if g["algorithm"] != "muon" else ("in,out(T)" if g.get("transposed") else "out,in")
+            layout = "-" if not orthogonalizes(g) else ("in,out(T)" if g.get("transposed") else "out,in")
             for rule, idx in by_rule.items():
                 rule = f"{rule}:{self.notes[rule]}" if rule in self.notes else rule
                 names = [g["param_names"][j] for j in idx] if "param_names" in g else []
@@ -331,8 +337,10 @@ class RoutingConfig:
     """Without a named head, treat the last nn.Linear as the head."""
     input_layer: bool = False
     """Send the first convolution or Linear weight (a convnet's stem) to the scalar algorithm."""
-    scalar_algorithm: Literal["adamw", "lion", "adamw_schedulefree"] = "adamw"
-    """Algorithm of the default rules' non-Muon groups."""
+    scalar_algorithm: str = "adamw"
+    """Algorithm of the default rules' non-Muon groups: "adamw", "lion", "adamw_schedulefree" or one registered."""
+    matrix_algorithm: str = "muon"
+    """Algorithm of the default rules' hidden matrices: "muon" or a registered variant ("muon_hyperball")."""
 
     def kwargs(self) -> dict[str, Any]:
         """``route_parameters``' keyword arguments."""
@@ -353,6 +361,7 @@ def route_parameters(
     head_by_position: bool = True,
     scalar_algorithm: str = "adamw",
     input_layer: bool = False,
+    matrix_algorithm: str = "muon",
 ) -> ParamGroups:
     """Split ``module``'s trainable parameters into named param groups by ordered rules.
 
@@ -363,9 +372,12 @@ def route_parameters(
         max_aspect_ratio: send matrices more rectangular than this to AdamW.
         head_names: attribute names that mark a Linear as the output head.
         head_by_position: with no named head, treat the last ``nn.Linear`` as the head.
-        scalar_algorithm: ``"adamw"``, ``"lion"`` or ``"adamw_schedulefree"`` for the default
-            rules' non-Muon groups (their group names take the algorithm's name).
+        scalar_algorithm: ``"adamw"``, ``"lion"``, ``"adamw_schedulefree"`` or another registered
+            algorithm that does not orthogonalize, for the default rules' non-Muon groups (their
+            group names take the algorithm's name; options it does not know are dropped).
         input_layer: send the first convolution or Linear weight (the stem) to AdamW.
+        matrix_algorithm: ``"muon"`` or a registered variant of it (``"muon_hyperball"``) for the
+            default rules' hidden matrices (group ``muon`` becomes the algorithm's name).
 
     Returns:
         ``ParamGroups``: dicts with ``params``, ``param_names``, ``algorithm``, ``name`` and the
@@ -375,9 +387,8 @@ def route_parameters(
         ValueError: a bad rule; a parameter no rule matches; a user rule sending a
             1-D parameter to Muon; two rules sharing a group with different settings.
     """
-    scalar_algorithms = algorithm_names(orthogonal=False)
-    if scalar_algorithm not in scalar_algorithms:
-        raise ValueError(f"scalar_algorithm must be one of {scalar_algorithms}, got {scalar_algorithm!r}")
+    scalar_algorithm = get_algorithm_of_kind(scalar_algorithm, False, "scalar_algorithm").name
+    matrix_algorithm = get_algorithm_of_kind(matrix_algorithm, True, "matrix_algorithm").name
     if max_aspect_ratio is not None and not max_aspect_ratio >= 1:
         raise ValueError(f"max_aspect_ratio must be >= 1 or None, got {max_aspect_ratio!r}")
     user_rules = [r if isinstance(r, Rule) else Rule(**r) for r in (rules or [])]
@@ -403,8 +414,8 @@ def route_parameters(
                 UserWarning,
                 stacklevel=2,
             )
-    if scalar_algorithm != "adamw":
-        defaults = [_with_algorithm(r, scalar_algorithm) if r.algorithm == "adamw" else r for r in defaults]
+    chosen = {"adamw": scalar_algorithm, "muon": matrix_algorithm}  # the default rules' two algorithms
+    defaults = [r if chosen[r.algorithm] == r.algorithm else _with_algorithm(r, chosen[r.algorithm]) for r in defaults]
     user_names = {id(r) for r in user_rules}
 
     groups: dict[str, dict[str, Any]] = {}
@@ -416,7 +427,8 @@ def route_parameters(
         rule = next((r for r in (*user_rules, *defaults) if r.matches(p, name, owners.get(id(p)))), None)
         if rule is None:
             raise ValueError(f"route_parameters: no rule matches parameter {name!r} of shape {tuple(p.shape)}")
-        if rule.algorithm == "muon":
+        algorithm = get_algorithm(rule.algorithm).name  # an import path becomes the registered name
+        if orthogonalizes(algorithm):
             if p.ndim < 2:
                 raise ValueError(
                     f"route_parameters: rule {rule.name!r} sends the {p.ndim}-D parameter {name!r} to Muon; "
@@ -431,7 +443,7 @@ def route_parameters(
                     stacklevel=2,
                 )
         group_name = rule.group_name
-        setting = (rule.algorithm, rule.options)
+        setting = (algorithm, rule.options)
         if settings.setdefault(group_name, setting) != setting:
             raise ValueError(
                 f"route_parameters: rules disagree on group {group_name!r}: "
@@ -439,7 +451,7 @@ def route_parameters(
             )
         group = groups.setdefault(
             group_name,
-            {"params": [], "param_names": [], "algorithm": rule.algorithm, "name": group_name, **rule.options},
+            {"params": [], "param_names": [], "algorithm": algorithm, "name": group_name, **rule.options},
         )
         group["params"].append(p)
         group["param_names"].append(name)
@@ -450,5 +462,13 @@ def route_parameters(
 
 
 def _with_algorithm(rule: Rule, algorithm: str) -> Rule:
-    group = rule.group_name.replace("adamw", algorithm)
-    return Rule(**{**{f: getattr(rule, f) for f in rule.__dataclass_fields__}, "algorithm": algorithm, "group": group})
+    """A default rule sending to ``algorithm`` instead: ``adamw_no_decay`` -> ``lion_no_decay``, ``muon`` -> ``x``.
+
+    Options the algorithm does not take are dropped (a user's rule without weight decay).
+    """
+    prefix = rule.algorithm
+    group = algorithm + rule.group_name[len(prefix) :] if rule.group_name.startswith(prefix) else rule.group_name
+    valid = get_algorithm(algorithm).option_names()
+    options = {k: v for k, v in rule.options.items() if k in valid}
+    fields = {f: getattr(rule, f) for f in rule.__dataclass_fields__}
+    return Rule(**{**fields, "algorithm": algorithm, "group": group, "options": options})

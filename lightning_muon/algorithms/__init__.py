@@ -9,6 +9,7 @@ from lightning_muon.algorithms.base import (
     Algorithm,
     algorithm_names,
     get_algorithm,
+    get_algorithm_of_kind,
     orthogonalizes,
     register_algorithm,
 )
@@ -32,6 +33,7 @@ __all__ = [
     "ScheduleFreeHparams",
     "algorithm_names",
     "get_algorithm",
+    "get_algorithm_of_kind",
     "orthogonalizes",
     "register_algorithm",
 ]

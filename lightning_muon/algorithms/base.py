@@ -30,6 +30,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+import importlib
 import re
 from collections.abc import Mapping
 from typing import TYPE_CHECKING, Any, ClassVar
@@ -43,7 +44,14 @@ if TYPE_CHECKING:
 
     from lightning_muon.hparams import OptimizerConfig
 
-__all__ = ["Algorithm", "algorithm_names", "get_algorithm", "orthogonalizes", "register_algorithm"]
+__all__ = [
+    "Algorithm",
+    "algorithm_names",
+    "get_algorithm",
+    "get_algorithm_of_kind",
+    "orthogonalizes",
+    "register_algorithm",
+]
 
 # Keys a param group always has, whatever its algorithm: no hyperparameter may take them.
 RESERVED_KEYS = frozenset({"params", "algorithm", "name", "param_names"})
@@ -95,8 +103,8 @@ class Algorithm:
             )
         try:
             return self.hparams(**values)
-        except HparamError:
-            raise
+        except HparamError as err:  # a built-in check: its message after its own "Muon(): "
+            raise HparamError(f"{where}: {err.detail}", err.field, err.detail) from None
         except (TypeError, ValueError) as err:
             raise HparamError(f"{where}: {self.name}: {err}", prefix) from None
 
@@ -158,9 +166,10 @@ def register_algorithm(algorithm: Algorithm | type[Algorithm], *, replace: bool 
         ValueError: a bad or taken name, a hyperparameter named like a reserved group key,
             or no ``step_group``.
     """
-    instance = algorithm() if isinstance(algorithm, type) else algorithm
-    if not isinstance(instance, Algorithm):
+    is_class = isinstance(algorithm, type)
+    if not (issubclass(algorithm, Algorithm) if is_class else isinstance(algorithm, Algorithm)):
         raise TypeError(f"register_algorithm: expected an Algorithm or a subclass of it, got {algorithm!r}")
+    instance = algorithm() if is_class else algorithm
     name = instance.name
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(f"register_algorithm: {type(instance).__name__}.name must be an identifier, got {name!r}")
@@ -180,11 +189,53 @@ def register_algorithm(algorithm: Algorithm | type[Algorithm], *, replace: bool 
 
 
 def get_algorithm(name: str) -> Algorithm:
-    """The algorithm registered under ``name``; a ``ValueError`` lists the registered ones."""
+    """The algorithm registered under ``name``, or at the import path ``name`` (``"my_pkg.rules.Signum"``).
+
+    An import path names an ``Algorithm`` subclass or instance in an importable module; it is
+    registered under its own ``name`` on first use, so a YAML config can name an algorithm
+    that nothing imported yet. A ``ValueError`` lists the registered names.
+    """
+    algorithm = _REGISTRY.get(name) if isinstance(name, str) else None
+    if algorithm is None and isinstance(name, str) and "." in name:
+        algorithm = _import(name)
+    if algorithm is None:
+        raise ValueError(
+            f"algorithm must be one of {algorithm_names()}, got {name!r} (an algorithm of your own: "
+            "register it with lightning_muon.register_algorithm, or name it by its import path)"
+        )
+    return algorithm
+
+
+def _import(path: str) -> Algorithm:
+    module, _, attr = path.rpartition(".")
     try:
-        return _REGISTRY[name]
-    except (KeyError, TypeError):
-        raise ValueError(f"algorithm must be one of {algorithm_names()}, got {name!r}") from None
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"algorithm {path!r} cannot be imported: {err}") from None
+    if isinstance(found, type) and issubclass(found, Algorithm):
+        registered = _REGISTRY.get(found.name)
+        if type(registered) is found:  # the module registered it when imported
+            return registered
+        return _REGISTRY[register_algorithm(found()).name]
+    if isinstance(found, Algorithm):
+        if _REGISTRY.get(found.name) is not found:
+            register_algorithm(found)
+        return found
+    raise ValueError(f"algorithm {path!r} is {found!r}, not an Algorithm subclass or instance")
+
+
+def get_algorithm_of_kind(name: str, orthogonal: bool, what: str) -> Algorithm:
+    """``get_algorithm(name)`` for a role that needs an algorithm that does (not) orthogonalize.
+
+    ``what`` names the setting in the error (``"scalar_algorithm"``), which lists the choices.
+    """
+    try:
+        algorithm = get_algorithm(name)
+    except ValueError:
+        algorithm = None
+    if algorithm is None or algorithm.orthogonalizes != orthogonal:
+        raise ValueError(f"{what} must be one of {algorithm_names(orthogonal=orthogonal)}, got {name!r}")
+    return algorithm
 
 
 def algorithm_names(orthogonal: bool | None = None) -> tuple[str, ...]:
@@ -193,7 +244,12 @@ def algorithm_names(orthogonal: bool | None = None) -> tuple[str, ...]:
 
 
 def orthogonalizes(group: Mapping[str, Any] | str) -> bool:
-    """True when a group's algorithm (or the algorithm of that name) is Muon or a variant of it."""
+    """True when a group's algorithm (or the algorithm of that name) is Muon or a variant of it.
+
+    False for a group without one (another optimizer's) or an unknown name.
+    """
     name = group if isinstance(group, str) else group.get("algorithm")
-    algorithm = _REGISTRY.get(name)  # type: ignore[arg-type]
+    algorithm = _REGISTRY.get(name) if isinstance(name, str) else None  # the hot path: a dict lookup
+    if algorithm is None and isinstance(name, str) and "." in name:
+        algorithm = get_algorithm(name)
     return algorithm is not None and algorithm.orthogonalizes

@@ -25,11 +25,16 @@ __all__ = [
 
 
 class HparamError(ValueError):
-    """A bad hyperparameter; ``field`` is the ``Muon`` keyword it came from."""
+    """A bad hyperparameter; ``field`` is the ``Muon`` keyword it came from, ``detail`` the message after ``where``."""
 
-    def __init__(self, message: str, field: str) -> None:
+    def __init__(self, message: str, field: str, detail: str | None = None) -> None:
         super().__init__(message)
         self.field = field
+        self.detail = message if detail is None else detail
+
+
+def _error(where: str, detail: str, field: str) -> HparamError:
+    return HparamError(f"{where}: {detail}", field, detail)
 
 
 def check_number(
@@ -48,33 +53,32 @@ def check_number(
         ok = (value > low if low_open else value >= low) and (value < high if high_open else value <= high)
     if not ok:
         lo, hi = "(" if low_open else "[", ")" if high_open or high == math.inf else "]"
-        message = f"{where}: {name} must be a finite number in {lo}{low}, {high}{hi}, got {value!r}"
-        raise HparamError(message, field or name)
+        raise _error(where, f"{name} must be a finite number in {lo}{low}, {high}{hi}, got {value!r}", field or name)
 
 
 def check_int(value: Any, name: str, where: str, low: int) -> None:
     """``value`` is an int (not a bool) of at least ``low``."""
     if isinstance(value, bool) or not isinstance(value, int) or value < low:
         what = "a positive int" if low == 1 else f"an int >= {low}"
-        raise HparamError(f"{where}: {name} must be {what}, got {value!r}", name)
+        raise _error(where, f"{name} must be {what}, got {value!r}", name)
 
 
 def check_choice(group: dict[str, Any], name: str, where: str, choices: tuple) -> None:
     """``group[name]`` is one of ``choices`` (None matched by identity, strings by value)."""
     value = group[name]
     if not any(value is c or (isinstance(value, str) and value == c) for c in choices):
-        raise HparamError(f"{where}: {name} must be one of {choices}, got {value!r}", name)
+        raise _error(where, f"{name} must be one of {choices}, got {value!r}", name)
 
 
 def check_bool(group: dict[str, Any], name: str, where: str) -> None:
     if not isinstance(group[name], bool):
-        raise HparamError(f"{where}: {name} must be a bool, got {group[name]!r}", name)
+        raise _error(where, f"{name} must be a bool, got {group[name]!r}", name)
 
 
 def check_betas(betas: Any, where: str, prefix: str, beta1_open: bool = False) -> tuple[float, float]:
     """A pair (beta1, beta2), each in [0, 1) (``beta1_open``: beta1 in (0, 1)); returned as a tuple."""
     if not (isinstance(betas, (tuple, list)) and len(betas) == 2):
-        raise HparamError(f"{where}: {prefix}betas must be a pair (beta1, beta2), got {betas!r}", f"{prefix}betas")
+        raise _error(where, f"{prefix}betas must be a pair (beta1, beta2), got {betas!r}", f"{prefix}betas")
     for k, beta in enumerate(betas):
         low_open = k == 0 and beta1_open
         check_number(beta, f"{prefix}betas[{k}]", where, 0.0, 1.0, low_open, True, field=f"{prefix}betas")

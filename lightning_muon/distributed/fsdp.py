@@ -38,6 +38,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Shard
 
+from lightning_muon.algorithms import orthogonalizes
 from lightning_muon.distributed.comm import CommStats, all_to_all_v
 from lightning_muon.distributed.planning import plan_ownership
 from lightning_muon.distributed.protocol import Sharding
@@ -322,18 +323,18 @@ def _strides(shape: torch.Size) -> tuple[int, ...]:
 def muon_params(
     optimizer, who: str, check: Callable[[dict, str, list[Tensor]], None]
 ) -> tuple[list[dict], list[Tensor]]:
-    """The optimizer's Muon param groups and their parameters, in order, each group checked.
+    """The optimizer's Muon param groups (Muon and its variants) and their parameters, in order, each checked.
 
     ``check(group, where, params)`` runs on every Muon group (``where`` names it for error
     messages, ``params`` are all the Muon parameters); ``who`` prefixes the error raised
     when there are none.
     """
-    groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
+    groups = [g for g in optimizer.param_groups if orthogonalizes(g)]  # Muon and its variants
     params: list[Tensor] = [p for g in groups for p in g["params"]]
     if not params:
         raise ValueError(f"{who}: the optimizer has no Muon parameters")
     for index, g in enumerate(optimizer.param_groups):
-        if g["algorithm"] != "muon":
+        if not orthogonalizes(g):
             continue
         check(g, f"param group {index}" + (f" ({g['name']!r})" if "name" in g else ""), params)
     return groups, params

@@ -29,6 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
+from lightning_muon.algorithms import orthogonalizes
 from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v, owner_groups
 from lightning_muon.distributed.overlap import OverlappedReduce
 from lightning_muon.distributed.planning import plan_ownership
@@ -76,7 +77,7 @@ class MuonSharding(Sharding):
         """This rank's place in its owner group: what the plan's owners are numbered by."""
         self.owner_group, self.peer_group = owner_groups(group, world_size, size)
         self._overlap: OverlappedReduce | None = None
-        groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
+        groups = [g for g in optimizer.param_groups if orthogonalizes(g)]  # Muon and its variants
         params = [p for g in groups for p in g["params"]]
         plan = plan_ownership(
             [p.shape for p in params],

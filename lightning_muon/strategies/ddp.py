@@ -14,6 +14,7 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 
+from lightning_muon.algorithms import orthogonalizes
 from lightning_muon.distributed.comm import all_reduce_
 from lightning_muon.distributed.sharded import MODES, MuonSharding
 from lightning_muon.muon import Muon
@@ -103,7 +104,7 @@ class MuonDDPStrategy(DDPStrategy):
                 f"({self.num_nodes} node(s) x {self.num_processes} device(s))"
             )
         for optimizer in self.optimizers:
-            if isinstance(optimizer, Muon) and any(g["algorithm"] == "muon" for g in optimizer.param_groups):
+            if isinstance(optimizer, Muon) and any(orthogonalizes(g) for g in optimizer.param_groups):
                 MuonSharding(optimizer, mode=self.muon_mode, owner_group_size=size)
         if self.muon_mode == "reduce_scatter" and self.shardings:
             ids = {id(p) for s in self.shardings for p in s.params}

@@ -19,6 +19,7 @@ from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 from typing_extensions import override
 
+from lightning_muon.algorithms import orthogonalizes
 from lightning_muon.distributed.comm import all_reduce_
 from lightning_muon.distributed.fsdp import FSDP_MODES, MuonFSDPSharding
 from lightning_muon.distributed.tensor_parallel import MuonTPSharding
@@ -277,9 +278,9 @@ class MuonFSDPStrategy(ModelParallelStrategy):
         for optimizer in map(_inner, self.optimizers):
             on_2d = {g["algorithm"] for g in optimizer.param_groups for p in g["params"] if _on_2d_mesh(p)}
             two_d |= bool(on_2d)
-            if not (isinstance(optimizer, Muon) and any(g["algorithm"] == "muon" for g in optimizer.param_groups)):
+            if not (isinstance(optimizer, Muon) and any(orthogonalizes(g) for g in optimizer.param_groups)):
                 continue
-            if self._tensor_parallel_size > 1 or "muon" in on_2d:
+            if self._tensor_parallel_size > 1 or any(orthogonalizes(a) for a in on_2d):
                 sharding = MuonTPSharding(optimizer, tp_mode=self._resolve_tp_mode(optimizer))
                 rank_zero_info(
                     f"{type(self).__name__}: Muon on a {sharding.dp_size} x {sharding.tp_size} (data x tensor) mesh, "
@@ -293,7 +294,7 @@ class MuonFSDPStrategy(ModelParallelStrategy):
 
     def _resolve_tp_mode(self, optimizer: Muon) -> str:
         """The strategy's ``tp_mode`` if set (written into every Muon group), else the groups' own (all alike)."""
-        groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
+        groups = [g for g in optimizer.param_groups if orthogonalizes(g)]
         modes = {g["tp_mode"] for g in groups}
         if self.tp_mode is None:
             if len(modes) > 1:
