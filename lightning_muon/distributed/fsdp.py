@@ -36,10 +36,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
 from lightning_muon.algorithms import orthogonalizes
-from lightning_muon.distributed.comm import CommStats, all_to_all_v
+from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
 from lightning_muon.distributed.planning import plan_ownership
 from lightning_muon.distributed.protocol import Sharding
 from lightning_muon.functional import muon_orthogonalize, piece_shapes
@@ -136,6 +136,24 @@ class MuonFSDPSharding(Sharding):
                 "MuonFSDPSharding: ranks disagree on which Muon matrices have gradients "
                 f"(this rank: {len(self._with_grad)} of {len(self.params)}); every rank must run the same modules"
             )
+
+    @torch.no_grad()
+    def reduce_matrix_sums(self, params: list[Tensor], partial: Tensor) -> Tensor:
+        """Whole-matrix sums: one all-reduce of the ``(K, k)`` per-rank sums (``Sharding.reduce_matrix_sums``).
+
+        Every rank holds a row block of every matrix, so whole-matrix sums are the sums of the
+        ranks' own (``"matrix_sums"`` in ``stats``): one collective of ``K k`` numbers per Muon
+        group, where sending whole matrices to owners would move every element again. A piece
+        that several ranks hold alike (replicated on a tensor-parallel mesh dim) counts once:
+        each holder adds its share.
+        """
+        copies = [_copies(p, self.world_size) for p in params]
+        total = partial.clone()
+        if any(c > 1 for c in copies):
+            total /= torch.tensor(copies, dtype=total.dtype, device=total.device).unsqueeze(1)
+        if self.world_size > 1:
+            all_reduce_(total, group=self.group, stats=self.stats, name="matrix_sums")
+        return total
 
     # ------------------------------------------------------------------ orthogonalization
 
@@ -306,6 +324,14 @@ def exchange_with_owners(
         for i, part in zip(by_owner[s], _split(chunk, [rows[i][rank] * row_numel[i] for i in by_owner[s]])):
             out[i] = [place(i, part.view(local[i].shape).to(dtypes[i]))]
     return out  # type: ignore[return-value]
+
+
+def _copies(p: Tensor, world_size: int) -> int:
+    """How many of the ``world_size`` ranks hold the same piece of ``p`` (1 when every rank's piece differs)."""
+    if not isinstance(p, DTensor):
+        return world_size
+    sharded = [p.device_mesh.size(i) for i, place in enumerate(p.placements) if not isinstance(place, Replicate)]
+    return world_size // math.prod(sharded)
 
 
 def _split(flat: Tensor, sizes: list[int]) -> Sequence[Tensor]:
