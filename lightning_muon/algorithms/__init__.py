@@ -1,7 +1,8 @@
 """The update rules of ``Muon``'s param groups, one module each, found by name in a registry.
 
 Importing this package registers the built-in algorithms, in this order: ``muon``,
-``adamw``, ``lion``, ``adamw_schedulefree``. ``register_algorithm`` adds one of your own.
+``adamw``, ``lion``, ``adamw_schedulefree``, ``muon_hyperball``. ``register_algorithm`` adds
+one of your own.
 """
 
 # ruff: noqa: I001  (imported in registration order, which error messages and build_optimizers list)
@@ -18,6 +19,7 @@ from lightning_muon.algorithms.muon import MuonAlgorithm, MuonHparams
 from lightning_muon.algorithms.adamw import AdamW, AdamWHparams
 from lightning_muon.algorithms.lion import Lion, LionHparams
 from lightning_muon.algorithms.adamw_schedulefree import SCHEDULE_FREE, ScheduleFreeAdamW, ScheduleFreeHparams
+from lightning_muon.algorithms.muon_hyperball import HyperballHparams, MuonHyperball
 
 __all__ = [
     "SCHEDULE_FREE",
@@ -25,10 +27,12 @@ __all__ = [
     "AdamWHparams",
     "Algorithm",
     "HparamError",
+    "HyperballHparams",
     "Lion",
     "LionHparams",
     "MuonAlgorithm",
     "MuonHparams",
+    "MuonHyperball",
     "ScheduleFreeAdamW",
     "ScheduleFreeHparams",
     "algorithm_names",
