@@ -87,8 +87,8 @@ class MuonConfig:
     """Matrices split by tensor parallelism: "duplicated" (exact: gathered whole in the group),
     "distributed" (exact: Gram matrices all-reduced, no whole matrix) or "blockwise" (approximate)."""
     # --- Megatron-Core names (mapped onto the fields above) -----------------------------
-    coefficient_type: Literal["simple", "quintic", "polar_express", "aol", "custom"] | None = None
-    """Megatron's schedule name: simple, quintic, polar_express, aol or custom (-> ns_coefficients)."""
+    coefficient_type: Literal["simple", "quintic", "polar_express", "aol", "cans", "deepseekv4", "custom"] | None = None
+    """Megatron's schedule name: simple, quintic, polar_express, aol, cans, deepseekv4 or custom -> ns_coefficients."""
     num_ns_steps: int | None = None
     """Megatron's name for ns_steps."""
     scale_mode: Literal["shape_scaling", "spectral", "unit_rms_norm"] | None = None

@@ -29,6 +29,9 @@ MEGATRON_COEFFICIENTS: dict[str, str | list[tuple[float, float, float]]] = {
     # last repeated; Megatron requires num_ns_steps >= 8, shorter runs take the first tuples.
     # Megatron pre-scales by ||X||_F, ours by 1.01 ||X||_F (NORMALIZATION["polar_express_paper"]).
     "polar_express": "polar_express_paper",
+    # Emerging-Optimizers 0.3.0 repeats the last tuple of these two, as ours do.
+    "cans": "cans",  # Grishina et al., arXiv 2506.10935
+    "deepseekv4": "deepseekv4",  # 10 steps: Keller's quintic 8 times, then (2, -1.5, 0.5) twice
     # Megatron's "aol" list, from thib-s/flash-newton-schulz (Boissin et al.), 4 tuples.
     "aol": [
         (4.0098, -7.0585, 2.4635),

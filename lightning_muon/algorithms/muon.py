@@ -70,7 +70,7 @@ __all__ = [
 ]
 
 AdjustLR = Literal["original", "match_rms_adamw", "spectral", "spectral_norm", "none", "shape_scaling", "unit_rms_norm"]
-CoefficientName = Literal["polar_express", "polar_express_paper", "keller", "you", "cubic"]
+CoefficientName = Literal["polar_express", "polar_express_paper", "keller", "you", "cubic", "cans", "deepseekv4"]
 NSDtype = Literal["float32", "bfloat16", "float64", "float16", "fp32", "bf16"]
 
 # Options of a Muon group besides its hyperparameters: the layout of its tensors.
