@@ -75,6 +75,15 @@ def piece_rows(rows: int, split_sizes: Sequence[int] | None) -> list[list[int]]:
     return out
 
 
+def momentum64(B: torch.Tensor, G: torch.Tensor, momentum: float, nesterov: bool, form: str = "ema"):
+    """(new momentum B, the update U to orthogonalize) for gradient G: EMA or sum, Nesterov or not."""
+    if form == "ema":
+        B = momentum * B + (1 - momentum) * G
+        return B, (1 - momentum) * G + momentum * B if nesterov else B
+    B = momentum * B + G
+    return B, G + momentum * B if nesterov else B
+
+
 def muon64(
     W0: torch.Tensor,
     grads: Sequence[torch.Tensor],
@@ -111,13 +120,7 @@ def muon64(
     elif second_moment == "adamuon":
         V = torch.zeros(rows, W[0].numel(), dtype=torch.float64)
     for G in grads:
-        G = G.to(torch.float64)
-        if momentum_form == "ema":
-            B = momentum * B + (1 - momentum) * G
-            U = (1 - momentum) * G + momentum * B if nesterov else B
-        else:
-            B = momentum * B + G
-            U = G + momentum * B if nesterov else B
+        B, U = momentum64(B, G.to(torch.float64), momentum, nesterov, momentum_form)
         if sign_momentum:
             U = torch.sign(U)
         M = U.reshape(rows, -1)
@@ -167,9 +170,7 @@ def hyperball64(
     B = torch.zeros_like(W)
     rows = W.shape[0]
     for G in grads:
-        G = G.to(torch.float64)
-        B = momentum * B + (1 - momentum) * G
-        U = (1 - momentum) * G + momentum * B if nesterov else B
+        B, U = momentum64(B, G.to(torch.float64), momentum, nesterov)
         M = U.reshape(rows, -1)
         Q = torch.zeros_like(M)  # O above
         for idx in piece_rows(rows, split_sizes):

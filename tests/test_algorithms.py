@@ -55,15 +55,6 @@ class Tiny(nn.Module):
         return self.head(torch.tanh(self.fc2(torch.tanh(self.fc1(x)))) * self.gain)
 
 
-def _train(model: nn.Module, opt: torch.optim.Optimizer, steps: range) -> None:
-    for t in steps:
-        gen = torch.Generator().manual_seed(t)
-        x, y = torch.randn(16, 6, generator=gen), torch.randn(16, 1, generator=gen)
-        opt.zero_grad()
-        nn.functional.mse_loss(model(x), y).backward()
-        opt.step()
-
-
 # ------------------------------------------------------------------ the registry
 
 

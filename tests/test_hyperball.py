@@ -15,7 +15,7 @@ from torch.testing import assert_close
 
 from lightning_muon import Muon, MuonConfig
 
-pytestmark = pytest.mark.numerics
+pytestmark = [pytest.mark.numerics, pytest.mark.policy_free]  # policy_free: see conftest.py
 
 HB = "muon_hyperball"
 HP = dict(lr=0.05, momentum=0.9, weight_decay=0.1)
@@ -96,7 +96,8 @@ def test_zero_lr_step_changes_nothing(radius, grads):
     torch.manual_seed(1)
     p = nn.Parameter(torch.randn(5, 4))
     before = p.detach().clone()
-    opt = Muon([{"params": [p], "algorithm": HB, "hyperball_radius": radius}], lr=0.0, weight_decay=0.1)
+    group = {"params": [p], "algorithm": HB, "hyperball_radius": radius}
+    opt = Muon([group], lr=0.0, weight_decay=0.1, ns_dtype="float32")
     for _ in range(2):
         p.grad = torch.randn_like(p) if grads == "random" else torch.zeros_like(p)
         opt.step()

@@ -20,7 +20,7 @@ sys.path.insert(0, str(DATA))
 
 from make_legacy_checkpoint import SHAPES, build  # noqa: E402
 
-pytestmark = pytest.mark.numerics
+pytestmark = [pytest.mark.numerics, pytest.mark.policy_free]  # policy_free: see conftest.py
 
 
 def _load() -> dict:
