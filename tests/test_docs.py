@@ -10,9 +10,11 @@ A block that cannot run here is marked on the line right before its fence::
     <!-- not run: <reason>; tested by tests/<file>.py::<test name> -->
 
 The reason must say it needs a GPU or several processes, and the named test must exist:
-that test runs the same thing. Every relative link of README.md, docs/*.md,
-benchmarks/README.md and examples/*/README.md must reach an existing file, and a
-``#anchor`` into a Markdown file one of its headings.
+that test runs the same thing. A ```yaml block with a ``muon_config`` (under
+``model.init_args``, as LightningCLI reads it) must make a valid ``MuonConfig``.
+
+Every relative link of README.md, docs/*.md, benchmarks/README.md and examples/*/README.md
+must reach an existing file, and a ``#anchor`` into a Markdown file one of its headings.
 """
 
 from __future__ import annotations
@@ -24,6 +26,9 @@ import types
 from pathlib import Path
 
 import pytest
+import yaml
+
+from lightning_muon import MuonConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
@@ -75,6 +80,8 @@ def test_python_blocks_run(page: Path, monkeypatch: pytest.MonkeyPatch):
             assert re.search(r"\bGPUs?\b|several processes", match["reason"]), f"{page.name}:{line}: {marker}"
             assert _test_exists(match["test"]), f"{page.name}:{line}: no test {match['test']}"
             continue
+        if language == "yaml":
+            _check_muon_config(yaml.safe_load(source), f"{page.name}:{line}")
         if language != "python":
             continue
         # dont_inherit: none of this file's __future__ imports (the page runs as written).
@@ -82,6 +89,16 @@ def test_python_blocks_run(page: Path, monkeypatch: pytest.MonkeyPatch):
         exec(code, namespace)  # the documentation's own code
         ran += 1
     assert ran or "```python" not in page.read_text(), page
+
+
+def _check_muon_config(document, where: str) -> None:
+    """A YAML example's ``model.init_args.muon_config`` builds a ``MuonConfig`` (fields checked)."""
+    config = (((document or {}).get("model") or {}).get("init_args") or {}).get("muon_config")
+    if config is not None:
+        try:
+            MuonConfig.from_any(config)
+        except ValueError as err:
+            raise AssertionError(f"{where}: the YAML's muon_config is refused: {err}") from None
 
 
 def _anchors(path: Path) -> set[str]:
@@ -120,3 +137,6 @@ def test_the_checks_above_can_fail(tmp_path):
     assert _blocks(page) == [(3, "python", "x = 1\n", marker)]
     assert LINK.findall(page.read_text()) == ["missing.md"]
     assert _anchors(ROOT / "docs" / "routing.md") >= {"rules", "fused-qkv-per-head-splits"}
+    clash = {"model": {"init_args": {"muon_config": {"ns_coefficients": "keller", "coefficient_type": "cans"}}}}
+    with pytest.raises(AssertionError, match="coefficient_type='cans' and ns_coefficients='keller' disagree"):
+        _check_muon_config(clash, "page.md:1")
