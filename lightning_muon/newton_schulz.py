@@ -127,7 +127,7 @@ COEFFICIENTS: dict[str, list[Coefficients]] = {
         (3.2866, -2.4647, 0.5074),
         (2.2737, -1.6447, 0.4162),
     ],
-    # DeepSeek-V4's schedule, Emerging-Optimizers 0.3.0's coefficient type "deepseekv4": Keller
+    # The schedule Emerging-Optimizers 0.3.0 names coefficient type "deepseekv4": Keller
     # Jordan's quintic 8 times, then (2, -1.5, 0.5) twice (p(1) = 1, p'(1) = 0: it settles the
     # singular values at 1); 10 steps, the last repeated for more.
     "deepseekv4": [(3.4445, -4.7750, 2.0315)] * 8 + [(2.0, -1.5, 0.5)] * 2,

@@ -172,7 +172,7 @@ def _tolerance(variant: dict) -> float:
     # of rank-deficient gradients (batch 12 < 16 rows) that the polynomial then amplifies:
     # perturbing every gradient by 1e-7 relative moved the weights by 0.9-1.4e-6 with the
     # standard iteration and by 2.2-4.2e-6 with Gram (5 seeds, measured).
-    # DeepSeek-V4's 10 steps begin with eight of Keller's quintic (slope 3.44 at 0), which grow
+    # deepseekv4's 10 steps begin with eight of Keller's quintic (slope 3.44 at 0), which grow
     # those near-zero singular values 3.44^8 ~ 2e4 times: the same 1e-7 perturbation moved the
     # weights by 1.7-2.3e-5 (5 seeds, measured), against 0.9-1.6e-6 for cans and polar_express.
     if variant.get("ns_coefficients") == "deepseekv4":
