@@ -38,9 +38,9 @@ class Muon(Optimizer):
     r"""Muon for hidden weight matrices, AdamW, Lion or Schedule-Free AdamW for everything else, in one optimizer.
 
     Each param group has an ``"algorithm"``, the name of a registered ``Algorithm``
-    (``algorithms``): ``"muon"``, ``"adamw"``, ``"lion"``, ``"adamw_schedulefree"``, or one
-    added with ``register_algorithm``. For a Muon matrix ``W`` with gradient ``G``
-    (torch.optim.Muon's form, the defaults)::
+    (``algorithms``): ``"muon"``, ``"adamw"``, ``"lion"``, ``"adamw_schedulefree"``,
+    ``"muon_hyperball"``, or one added with ``register_algorithm``. For a Muon matrix ``W`` with
+    gradient ``G`` (torch.optim.Muon's form, the defaults)::
 
         B <- mu B + (1 - mu) G                       # EMA momentum
         U <- (1 - mu) G + mu B   if nesterov else B
