@@ -1,5 +1,6 @@
 """lightning_muon: train PyTorch Lightning models with the Muon optimizer."""
 
+from lightning_muon.algorithms import Algorithm, register_algorithm
 from lightning_muon.callbacks import QKClip, ScheduleFreeModeSwitch, UpdateSpectrumMonitor
 from lightning_muon.config import MuonConfig
 from lightning_muon.module import MuonModuleMixin, build_optimizers, build_schedulers, configure_muon_optimizers
@@ -11,6 +12,7 @@ from lightning_muon.strategies import MuonDDPStrategy, MuonFSDPStrategy
 
 __all__ = [
     "COEFFICIENTS",
+    "Algorithm",
     "LRSchedule",
     "Muon",
     "MuonConfig",
@@ -27,6 +29,7 @@ __all__ = [
     "build_schedulers",
     "configure_muon_optimizers",
     "orthogonalize",
+    "register_algorithm",
     "route_parameters",
 ]
 __version__ = "0.1.0"

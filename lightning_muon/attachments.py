@@ -1,70 +1,43 @@
-"""What attaches to a ``Muon`` optimizer from outside: a sharding across ranks, and update hooks."""
+"""Update hooks: callables that observe the orthogonalized updates ``Muon`` applies (``UpdateHooks``)."""
 
 from __future__ import annotations
 
 from collections import OrderedDict
 from collections.abc import Callable
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
-if TYPE_CHECKING:
-    from lightning_muon.distributed.protocol import Sharding
-
-__all__ = ["Attachments", "UpdateHook"]
+__all__ = ["UpdateHook", "UpdateHooks"]
 
 # ``hook(group, params, updates, ortho)``: see ``Muon.register_update_hook``.
 UpdateHook = Callable[[dict, list, list, list], None]
 
 
-class Attachments:
-    """``Muon``'s sharding (``attach_sharding``) and update hooks (``register_update_hook``), as a mixin."""
+class UpdateHooks:
+    """The update hooks of one optimizer, in registration order; true when there is one.
 
-    def _init_attachments(self) -> None:
-        self._sharding: Sharding | None = None
-        self._update_hooks: OrderedDict[int, UpdateHook] = OrderedDict()
+    ``Muon`` holds one and exposes it as ``register_update_hook``, ``has_update_hooks`` and
+    ``run_update_hooks``; the update rule (or a sharding that holds the whole matrices only
+    on owner ranks) runs them.
+    """
 
-    @property
-    def sharding(self) -> Sharding | None:
-        """The ``distributed.Sharding`` that splits Newton-Schulz across ranks, or None (one process)."""
-        return self._sharding
+    def __init__(self) -> None:
+        self._hooks: OrderedDict[int, UpdateHook] = OrderedDict()
 
-    def attach_sharding(self, sharding: Sharding | None) -> None:
-        """Let ``sharding`` split this optimizer's Muon work across ranks (None: detach).
-
-        A ``Sharding`` calls this from its constructor; ``step`` then asks it which
-        parameters this rank steps (``owns``), what part of a gradient it holds
-        (``local_shard``), whether every rank's gradients are finite (``step_finite``), to
-        orthogonalize (``orthogonalize``) and to share the results (``gather_parameters``).
-        """
-        if sharding is not None and sharding.optimizer is not self:
-            raise ValueError("Muon.attach_sharding: the sharding was built for another optimizer")
-        self._sharding = sharding
-
-    def register_update_hook(self, hook: UpdateHook) -> RemovableHandle:
-        """Call ``hook(group, params, updates, ortho)`` on every Muon update; returns a handle to remove it.
-
-        Called after orthogonalization (and any second moment), before the update is
-        applied, on the rank that steps the matrices: ``updates`` are the momentum tensors
-        fed to Newton-Schulz, ``ortho`` per parameter its list of pieces (shaped like
-        ``functional.matrix_views``), as they are applied before the lr scale. Under a
-        sharding that holds whole matrices only on owners (FSDP2) the sharding runs the
-        hooks there, with the whole matrices, before any second moment. Hooks must not
-        modify their arguments. ``handle.remove()`` unregisters it, as for torch's hooks.
-        """
-        handle = RemovableHandle(self._update_hooks)
-        self._update_hooks[handle.id] = hook
+    def register(self, hook: UpdateHook) -> RemovableHandle:
+        """Add ``hook``; ``handle.remove()`` takes it out again, as for torch's hooks."""
+        handle = RemovableHandle(self._hooks)
+        self._hooks[handle.id] = hook
         return handle
 
-    @property
-    def has_update_hooks(self) -> bool:
-        """True when an update hook is registered."""
-        return bool(self._update_hooks)
+    def __bool__(self) -> bool:
+        return bool(self._hooks)
 
-    def run_update_hooks(
+    def run(
         self, group: dict[str, Any], params: list[Tensor], updates: list[Tensor], ortho: list[list[Tensor]]
     ) -> None:
-        """Call every registered update hook, in registration order (a sharding that observes updates calls it)."""
-        for hook in list(self._update_hooks.values()):
+        """Call every hook, in registration order (a copy of the list: a hook may remove itself)."""
+        for hook in list(self._hooks.values()):
             hook(group, params, updates, ortho)

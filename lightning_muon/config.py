@@ -16,22 +16,21 @@ from typing import Any, Literal
 
 from torch import nn
 
-from lightning_muon.hparams import (
+from lightning_muon.algorithms import (
     SCHEDULE_FREE,
     AdamWHparams,
-    AdjustLR,
-    CoefficientName,
     HparamError,
     LionHparams,
     MuonHparams,
-    NonFinite,
-    NSDtype,
-    OptimizerConfig,
     ScheduleFreeHparams,
+    get_algorithm_of_kind,
 )
+from lightning_muon.algorithms.adamw_schedulefree import schedulefree
+from lightning_muon.algorithms.muon import AdjustLR, CoefficientName, NSDtype
+from lightning_muon.hparams import NonFinite, OptimizerConfig
 from lightning_muon.megatron import MEGATRON_COEFFICIENTS, QKV_NAMES, map_megatron_names, split_rules
-from lightning_muon.routing import DEFAULT_HEAD_NAMES, SCALAR_ALGORITHMS, RoutingConfig, Rule
-from lightning_muon.schedule_free import schedulefree
+from lightning_muon.muon import Muon
+from lightning_muon.routing import DEFAULT_HEAD_NAMES, RoutingConfig, Rule
 from lightning_muon.schedules import Falloff, LRSchedule, MomentumWarmup, MuonScheduler, ScheduleConfig
 
 __all__ = ["MEGATRON_COEFFICIENTS", "QKV_NAMES", "MuonConfig"]
@@ -88,8 +87,8 @@ class MuonConfig:
     """Matrices split by tensor parallelism: "duplicated" (exact: gathered whole in the group),
     "distributed" (exact: Gram matrices all-reduced, no whole matrix) or "blockwise" (approximate)."""
     # --- Megatron-Core names (mapped onto the fields above) -----------------------------
-    coefficient_type: Literal["simple", "quintic", "polar_express", "aol", "custom"] | None = None
-    """Megatron's schedule name: simple, quintic, polar_express, aol or custom (-> ns_coefficients)."""
+    coefficient_type: Literal["simple", "quintic", "polar_express", "aol", "cans", "deepseekv4", "custom"] | None = None
+    """Megatron's schedule name: simple, quintic, polar_express, aol, cans, deepseekv4 or custom -> ns_coefficients."""
     num_ns_steps: int | None = None
     """Megatron's name for ns_steps."""
     scale_mode: Literal["shape_scaling", "spectral", "unit_rms_norm"] | None = None
@@ -102,8 +101,12 @@ class MuonConfig:
     moment2_method: Literal["adamuon", "normuon"] | None = None
     """Megatron's adamuon or normuon (-> second_moment)."""
     # --- AdamW / Lion / Schedule-Free AdamW groups ----------------------------------------
-    scalar_optimizer: Literal["adamw", "lion", "adamw_schedulefree"] = "adamw"
-    """Algorithm for embeddings, head and vectors under the default rules: "adamw", "lion" or "adamw_schedulefree"."""
+    scalar_optimizer: str = "adamw"
+    """Algorithm for embeddings, head and vectors under the default rules: "adamw", "lion",
+    "adamw_schedulefree", or a registered algorithm of your own (its name or import path)."""
+    matrix_optimizer: str = "muon"
+    """Algorithm for the hidden matrices under the default rules: "muon" or a registered variant of it
+    ("muon_hyperball"; a name or an import path)."""
     adamw_lr: float = _A.lr
     """AdamW learning rate (peak); follows the same schedule as Muon's."""
     adamw_betas: tuple[float, float] = _A.betas
@@ -132,6 +135,8 @@ class MuonConfig:
     """Schedule-Free's polynomial weighting power of the average."""
     adamw_schedulefree_weight_lr_power: float = _S.weight_lr_power
     """Schedule-Free's averaging weight is ``lr_max ** weight_lr_power``."""
+    algorithm_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
+    """Group defaults of other registered algorithms, by name: ``{"muon_hyperball": {"hyperball_radius": 1.0}}``."""
     nonfinite: NonFinite = "raise"
     """On a NaN/inf gradient: "raise", "skip" the step, or "ignore" (no check, no host-device sync)."""
     # --- routing -------------------------------------------------------------------------
@@ -174,10 +179,8 @@ class MuonConfig:
         if self.ns_coefficients is not None and not isinstance(self.ns_coefficients, str):
             self.ns_coefficients = [tuple(abc) for abc in self.ns_coefficients]
         map_megatron_names(self)
-        if self.scalar_optimizer not in SCALAR_ALGORITHMS:
-            raise ValueError(
-                f"MuonConfig.scalar_optimizer must be one of {SCALAR_ALGORITHMS}, got {self.scalar_optimizer!r}"
-            )
+        get_algorithm_of_kind(self.scalar_optimizer, False, "MuonConfig.scalar_optimizer")
+        get_algorithm_of_kind(self.matrix_optimizer, True, "MuonConfig.matrix_optimizer")
         if self.max_aspect_ratio is not None and not self.max_aspect_ratio >= 1:
             raise ValueError(f"MuonConfig.max_aspect_ratio must be >= 1 or None, got {self.max_aspect_ratio!r}")
         self.__dict__["_composed"] = _compose(self)  # kept until a field is set again
@@ -221,7 +224,7 @@ class MuonConfig:
         ``total_steps`` is the run's length where the schedule needs one and the config
         does not set it (``configure_muon_optimizers`` takes the trainer's estimate).
         """
-        optimizer = self.optimizer.build(self.routing.build(module))
+        optimizer = Muon.from_config(self.routing.build(module), self.optimizer)
         total = self.total_steps if total_steps is None else total_steps
         return optimizer, MuonScheduler(optimizer, self.schedule.build(total), self.schedule.momentum_warmup)
 
@@ -294,6 +297,7 @@ def _compose(config: MuonConfig) -> tuple[OptimizerConfig, RoutingConfig, Schedu
         head_by_position=config.head_by_position,
         input_layer=config.input_layer,
         scalar_algorithm=config.scalar_optimizer,
+        matrix_algorithm=config.matrix_optimizer,
     )
     return optimizer, routing, schedule
 

@@ -29,6 +29,9 @@ MEGATRON_COEFFICIENTS: dict[str, str | list[tuple[float, float, float]]] = {
     # last repeated; Megatron requires num_ns_steps >= 8, shorter runs take the first tuples.
     # Megatron pre-scales by ||X||_F, ours by 1.01 ||X||_F (NORMALIZATION["polar_express_paper"]).
     "polar_express": "polar_express_paper",
+    # Emerging-Optimizers 0.3.0 repeats the last tuple of these two, as ours do.
+    "cans": "cans",  # Grishina et al., arXiv 2506.10935
+    "deepseekv4": "deepseekv4",  # 10 steps: Keller's quintic 8 times, then (2, -1.5, 0.5) twice
     # Megatron's "aol" list, from thib-s/flash-newton-schulz (Boissin et al.), 4 tuples.
     "aol": [
         (4.0098, -7.0585, 2.4635),
@@ -126,10 +129,11 @@ def split_rules(config: Any) -> list[Rule]:
         return []
     sizes = list(config.qkv_split_shapes)
     options = {"split_sizes": sizes}
+    matrices = config.matrix_optimizer  # Muon, or the variant the config trains hidden matrices with
     return [
         Rule(
             name="mha_in_proj",
-            algorithm="muon",
+            algorithm=matrices,
             group="muon_mha_in_proj",
             names="*in_proj_weight",
             module_types="MultiheadAttention",
@@ -137,15 +141,15 @@ def split_rules(config: Any) -> list[Rule]:
         ),
         Rule(
             name="qkv_names_transposed",
-            algorithm="muon",
+            algorithm=matrices,
             group="muon_qkv_transposed",
             regex=QKV_NAMES,
             module_types=TRANSPOSED_MODULES,
             min_ndim=2,
             options={**options, "transposed": True},
         ),
-        Rule(name="split_qkv", algorithm="muon", group="muon_qkv", attributes="is_qkv", min_ndim=2, options=options),
-        Rule(name="qkv_names", algorithm="muon", group="muon_qkv", regex=QKV_NAMES, min_ndim=2, options=options),
+        Rule(name="split_qkv", algorithm=matrices, group="muon_qkv", attributes="is_qkv", min_ndim=2, options=options),
+        Rule(name="qkv_names", algorithm=matrices, group="muon_qkv", regex=QKV_NAMES, min_ndim=2, options=options),
     ]
 
 

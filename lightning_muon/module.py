@@ -17,9 +17,9 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
+from lightning_muon.algorithms import algorithm_names
 from lightning_muon.callbacks.schedule_free import ScheduleFreeModeSwitch, save_in_eval_mode
 from lightning_muon.config import MuonConfig
-from lightning_muon.hparams import ALGORITHMS
 from lightning_muon.muon import Muon
 from lightning_muon.param_groups import as_groups
 from lightning_muon.routing import Rule
@@ -64,7 +64,7 @@ def configure_muon_optimizers(module: nn.Module, config: MuonConfig | dict[str, 
     config = MuonConfig.from_any(config)
     groups = config.routing.build(module)
     rank_zero_info(groups.report())
-    optimizer = config.optimizer.build(groups)
+    optimizer = Muon.from_config(groups, config.optimizer)
     schedule = config.schedule.build(_total_steps(config, module))
     scheduler = MuonScheduler(optimizer, schedule, config.schedule.momentum_warmup)
     return {
@@ -162,10 +162,10 @@ def build_optimizers(
     config = MuonConfig.from_any(config)
     groups = list(config.routing.build(params)) if isinstance(params, nn.Module) else as_groups(params)
     optimizers = []
-    for algorithm in ALGORITHMS:
+    for algorithm in algorithm_names():
         chosen = [g for g in groups if g.get("algorithm", algorithm) == algorithm]
         if chosen:
-            optimizers.append(config.optimizer.build(chosen))
+            optimizers.append(Muon.from_config(chosen, config.optimizer))
     return optimizers
 
 

@@ -3,43 +3,44 @@
 from __future__ import annotations
 
 from collections.abc import Callable, Iterable
-from typing import Any
+from typing import TYPE_CHECKING, Any
 
 import torch
 from torch import Tensor
 from torch.optim import Optimizer
+from torch.utils.hooks import RemovableHandle
 
-from lightning_muon.attachments import Attachments, UpdateHook
-from lightning_muon.checkpoint_routing import RoutingChecks
-from lightning_muon.elementwise import ElementwiseGroups
-from lightning_muon.hparams import (
-    ALGORITHMS,
+from lightning_muon.algorithms import (
     SCHEDULE_FREE,
     AdamWHparams,
-    AdjustLR,
+    Algorithm,
     LionHparams,
     MuonHparams,
-    NonFinite,
-    OptimizerConfig,
     ScheduleFreeHparams,
-    check_group,
+    get_algorithm,
 )
-from lightning_muon.muon_groups import MuonGroups
-from lightning_muon.nonfinite import NonFiniteChecks
-from lightning_muon.param_groups import algorithm_of, as_groups, check_muon_params, option_names, resolve_split_parts
-from lightning_muon.schedule_free import ScheduleFreeGroups, schedulefree_group
+from lightning_muon.algorithms.muon import AdjustLR
+from lightning_muon.attachments import UpdateHook, UpdateHooks
+from lightning_muon.checkpoint_routing import check_checkpoint_routing
+from lightning_muon.hparams import NonFinite, OptimizerConfig
+from lightning_muon.nonfinite import FiniteChecks
+from lightning_muon.param_groups import algorithm_of, as_groups, group_label, option_names, split_named_params
 
-__all__ = ["ALGORITHMS", "SCHEDULE_FREE", "Muon", "UpdateHook"]
+if TYPE_CHECKING:
+    from lightning_muon.distributed.protocol import Sharding
+
+__all__ = ["Muon", "UpdateHook"]
 
 _M, _A, _L, _S = MuonHparams, AdamWHparams, LionHparams, ScheduleFreeHparams  # defaults: their class attributes
 
 
-class Muon(Attachments, NonFiniteChecks, ScheduleFreeGroups, RoutingChecks, MuonGroups, ElementwiseGroups, Optimizer):
+class Muon(Optimizer):
     r"""Muon for hidden weight matrices, AdamW, Lion or Schedule-Free AdamW for everything else, in one optimizer.
 
-    Each param group has an ``"algorithm"``: ``"muon"``, ``"adamw"``, ``"lion"`` or
-    ``"adamw_schedulefree"``. For a
-    Muon matrix ``W`` with gradient ``G`` (torch.optim.Muon's form, the defaults)::
+    Each param group has an ``"algorithm"``, the name of a registered ``Algorithm``
+    (``algorithms``): ``"muon"``, ``"adamw"``, ``"lion"``, ``"adamw_schedulefree"``,
+    ``"muon_hyperball"``, or one added with ``register_algorithm``. For a Muon matrix ``W`` with
+    gradient ``G`` (torch.optim.Muon's form, the defaults)::
 
         B <- mu B + (1 - mu) G                       # EMA momentum
         U <- (1 - mu) G + mu B   if nesterov else B
@@ -68,11 +69,11 @@ class Muon(Attachments, NonFiniteChecks, ScheduleFreeGroups, RoutingChecks, Muon
     so a step at lr = 0 changes nothing.
 
     ``"adamw_schedulefree"`` groups are stepped by ``schedulefree.AdamWScheduleFree`` over
-    this optimizer's groups and state (``schedule_free``): ``train()`` and ``eval()`` switch
-    their parameters between the training and the averaged weights. Param groups are made
-    from what ``params`` holds as ``param_groups.as_groups`` says (a flat list: matrices to
-    Muon, the rest to AdamW); a sharding (``attach_sharding``) splits the Newton-Schulz
-    work across ranks, and ``register_update_hook`` observes the applied updates.
+    this optimizer's groups and state: ``train()`` and ``eval()`` switch their parameters
+    between the training and the averaged weights. Param groups are made from what
+    ``params`` holds as ``param_groups.as_groups`` says (a flat list: matrices to Muon, the
+    rest to AdamW); a sharding (``attach_sharding``) splits the Newton-Schulz work across
+    ranks, and ``register_update_hook`` observes the applied updates.
 
     Args:
         params: tensors, ``(name, tensor)`` pairs, or param-group dicts.
@@ -84,6 +85,8 @@ class Muon(Attachments, NonFiniteChecks, ScheduleFreeGroups, RoutingChecks, Muon
             weight decay default to AdamW's).
         adamw_schedulefree_*: Schedule-Free AdamW group defaults, ``ScheduleFreeHparams``
             (``AdamWScheduleFree``'s keywords; lr and weight decay default to AdamW's).
+        algorithm_defaults: group defaults of other registered algorithms, by name: a dict of
+            their hyperparameters (``{"muon_hyperball": {"hyperball_radius": 1.0}}``).
         nonfinite: ``"raise"`` (default) on a NaN/inf gradient, naming the group and
             parameter, ``"skip"`` the whole step with a warning, or ``"ignore"``: no check, as
             in torch.optim (a NaN reaches the weights, and a step is free of host-device
@@ -135,6 +138,7 @@ class Muon(Attachments, NonFiniteChecks, ScheduleFreeGroups, RoutingChecks, Muon
         adamw_schedulefree_warmup_steps: int = _S.warmup_steps,
         adamw_schedulefree_r: float = _S.r,
         adamw_schedulefree_weight_lr_power: float = _S.weight_lr_power,
+        algorithm_defaults: dict[str, dict[str, Any]] | None = None,
         nonfinite: NonFinite = "raise",
     ) -> None:
         keywords = {k: v for k, v in locals().items() if k not in ("self", "params", "__class__")}
@@ -142,7 +146,7 @@ class Muon(Attachments, NonFiniteChecks, ScheduleFreeGroups, RoutingChecks, Muon
 
     @classmethod
     def from_config(cls, params: Iterable[Any], config: OptimizerConfig) -> Muon:
-        """A ``Muon`` with the settings of ``config``, checked when it was made (``OptimizerConfig.build``)."""
+        """A ``Muon`` with the settings of ``config``, checked when it was made."""
         optimizer = cls.__new__(cls)
         optimizer._setup(params, config)
         return optimizer
@@ -151,75 +155,87 @@ class Muon(Attachments, NonFiniteChecks, ScheduleFreeGroups, RoutingChecks, Muon
         self.config = config
         """The settings, checked, as one config per algorithm."""
         self.nonfinite = config.nonfinite
-        self._algorithm_defaults = {a: config.group_defaults(a) for a in ALGORITHMS}
-        self._init_attachments()
+        self._sharding: Sharding | None = None
+        self._update_hooks = UpdateHooks()
+        self._finite = FiniteChecks(self)
+        self._defaults: dict[str, dict[str, Any]] = {}  # per algorithm, made on first use
         # Only keys every group has live in ``defaults``: Optimizer copies them into each
         # group, and LearningRateMonitor would read ``betas`` from every group if it were here.
         super().__init__(as_groups(params), {"momentum": config.muon.momentum})
+
+    # ------------------------------------------------------------------ param groups
 
     @classmethod
     def option_names(cls, algorithm: str) -> frozenset[str]:
         """The keys a param group of ``algorithm`` may set (``param_groups.option_names``)."""
         return option_names(algorithm)
 
+    def group_defaults(self, algorithm: str) -> dict[str, Any]:
+        """What a new group of ``algorithm`` starts from: this optimizer's settings for it (checked)."""
+        if algorithm not in self._defaults:
+            self._defaults[algorithm] = self.config.group_defaults(algorithm)
+        return self._defaults[algorithm]
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
-        group = dict(param_group)
-        params = group["params"]
-        params = [params] if isinstance(params, Tensor) else list(params)
-        if params and isinstance(params[0], tuple):
-            group.setdefault("param_names", [n for n, _ in params])
-            params = [p for _, p in params]
-        group["params"] = params
-        where = f"param group {len(self.param_groups)}" + (f" ({group['name']!r})" if "name" in group else "")
-        algorithm = group["algorithm"] = algorithm_of(group, params, where)
-        defaults = self._algorithm_defaults[algorithm]
+        group, params = split_named_params(param_group)
+        where = group_label(len(self.param_groups), group)
+        algorithm = get_algorithm(algorithm_of(group, params, where))
+        group["algorithm"] = algorithm.name
+        defaults = self.group_defaults(algorithm.name)
         overrides = [key for key in defaults if key in group]
         for key, value in defaults.items():
             group.setdefault(key, value)
         if overrides:  # the defaults were checked (and normalized) with the config: only the group's own values now
-            group.update(check_group(group, algorithm, where))
-        if algorithm == "muon":
-            resolve_split_parts(group, params, where)
-            check_muon_params(group, params, where)
-        elif algorithm == SCHEDULE_FREE:
-            knobs = {key: group[key] for key in self._algorithm_defaults[SCHEDULE_FREE]}
-            for key, value in schedulefree_group(params, knobs).items():
-                group.setdefault(key, value)
-        # For AdamW, Lion and Schedule-Free, a read-out of beta1 for loggers (LearningRateMonitor
-        # logs group["momentum"]); their step reads ``betas`` and refreshes this copy.
-        if algorithm != "muon":
-            group["momentum"] = group["betas"][0]
+            group.update(algorithm.check(group, where))
+        algorithm.init_group(group, params, where)
         super().add_param_group(group)
+
+    def load_state_dict(self, state_dict: dict[str, Any]) -> None:
+        """``Optimizer.load_state_dict``, after checking the checkpoint was saved with this routing.
+
+        torch matches saved state to parameters by position alone: after a routing change that
+        keeps group sizes, Muon momentum would land on an AdamW parameter and the reverse, and
+        after one that changes shapes the first step would fail far from the cause
+        (``checkpoint_routing``). Groups saved before a knob existed take its default.
+        """
+        check_checkpoint_routing(self.param_groups, state_dict)
+        super().load_state_dict(state_dict)
+        for group in self.param_groups:
+            for key, value in self.group_defaults(group["algorithm"]).items():
+                group.setdefault(key, value)
+
+    # ------------------------------------------------------------------ the step
+
+    def _algorithms(self) -> dict[str, tuple[Algorithm, list[dict[str, Any]]]]:
+        """Each algorithm in use, with its groups, in the order of its first group (the same on every rank)."""
+        out: dict[str, tuple[Algorithm, list[dict[str, Any]]]] = {}
+        for group in self.param_groups:
+            name = group["algorithm"]
+            if name not in out:
+                out[name] = (get_algorithm(name), [])
+            out[name][1].append(group)
+        return out
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step over every group; ``closure`` re-evaluates the loss."""
-        self._check_train_mode()  # before the closure: its gradients would be taken at the averaged weights
+        algorithms = self._algorithms()
+        for algorithm, groups in algorithms.values():
+            algorithm.prepare_step(self, groups)  # before the closure (Schedule-Free: refuse eval mode)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         work = [(group, *self._collect(i, group)) for i, group in enumerate(self.param_groups)]
-        if not self._grads_finite(work):
+        if not self._finite.grads_finite(work):
             return loss
-        sharding = self._sharding
         for group, params, grads in work:
-            if not params:
-                continue
-            algorithm = group["algorithm"]
-            if algorithm == "muon":
-                self._muon_step(group, params, grads)
-            elif algorithm == "adamw":
-                self._adamw_step(group, params, grads)
-            elif algorithm == "lion":
-                self._lion_step(group, params, grads)
-        inner = self._schedule_free_optimizer()
-        if inner is not None:
-            # All schedule-free groups at once, as AdamWScheduleFree steps its own: a group
-            # without gradients still counts the step (its k and weight_sum advance).
-            inner.step()
-        if sharding is not None:
-            sharding.gather_parameters()  # every rank calls it, owner of matrices or not
+            if params:
+                algorithms[group["algorithm"]][0].step_group(self, group, params, grads)
+        for algorithm, groups in algorithms.values():
+            algorithm.finish_step(self, groups)
+        if self._sharding is not None:
+            self._sharding.gather_parameters()  # every rank calls it, owner of matrices or not
         return loss
 
     def _collect(self, index: int, group: dict) -> tuple[list[Tensor], list[Tensor]]:
@@ -238,3 +254,106 @@ class Muon(Attachments, NonFiniteChecks, ScheduleFreeGroups, RoutingChecks, Muon
             params.append(p)
             grads.append(p.grad)
         return params, grads
+
+    # ------------------------------------------------------------------ train / eval (Schedule-Free)
+
+    def train(self) -> None:
+        """Every group to train mode: Schedule-Free groups' parameters hold ``y``, where gradients are taken.
+
+        Call it before the training steps (``step`` refuses schedule-free groups in eval mode)
+        and after every ``eval()``. A no-op for groups of other algorithms and for groups
+        already in train mode.
+        """
+        for algorithm, groups in self._algorithms().values():
+            algorithm.train(self, groups)
+
+    def eval(self) -> None:
+        """Every group to eval mode: Schedule-Free groups' parameters hold the averaged weights ``x``.
+
+        Call it before validation, testing, inference and saving a checkpoint (the saved
+        weights are then the averaged ones and the saved groups say eval; ``train()`` after
+        loading brings back the training weights). A no-op for the other groups.
+        """
+        for algorithm, groups in self._algorithms().values():
+            algorithm.eval(self, groups)
+
+    @property
+    def schedule_free_groups(self) -> list[dict[str, Any]]:
+        """The ``"adamw_schedulefree"`` param groups (empty when there are none)."""
+        return [g for g in self.param_groups if g["algorithm"] == SCHEDULE_FREE]
+
+    @property
+    def schedule_free_training(self) -> bool:
+        """True when a schedule-free group is in train mode."""
+        return any(g["train_mode"] for g in self.schedule_free_groups)
+
+    # ------------------------------------------------------------------ sharding and update hooks
+
+    @property
+    def sharding(self) -> Sharding | None:
+        """The ``distributed.Sharding`` that splits Newton-Schulz across ranks, or None (one process)."""
+        return self._sharding
+
+    def attach_sharding(self, sharding: Sharding | None) -> None:
+        """Let ``sharding`` split this optimizer's Muon work across ranks (None: detach).
+
+        A ``Sharding`` calls this from its constructor; ``step`` then asks it which
+        parameters this rank steps (``owns``), what part of a gradient it holds
+        (``local_shard``), whether every rank's gradients are finite (``step_finite``), to
+        orthogonalize (``orthogonalize``) and to share the results (``gather_parameters``).
+        """
+        if sharding is not None and sharding.optimizer is not self:
+            raise ValueError("Muon.attach_sharding: the sharding was built for another optimizer")
+        self._sharding = sharding
+
+    def register_update_hook(self, hook: UpdateHook) -> RemovableHandle:
+        """Call ``hook(group, params, updates, ortho)`` on every Muon update; returns a handle to remove it.
+
+        Called after orthogonalization (and any second moment), before the update is
+        applied, on the rank that steps the matrices: ``updates`` are the momentum tensors
+        fed to Newton-Schulz, ``ortho`` per parameter its list of pieces (shaped like
+        ``functional.matrix_views``), as they are applied before the lr scale. Under a
+        sharding that holds whole matrices only on owners (FSDP2) the sharding runs the
+        hooks there, with the whole matrices, before any second moment. Hooks must not
+        modify their arguments. ``handle.remove()`` unregisters it, as for torch's hooks.
+        """
+        return self._update_hooks.register(hook)
+
+    @property
+    def has_update_hooks(self) -> bool:
+        """True when an update hook is registered."""
+        return bool(self._update_hooks)
+
+    def run_update_hooks(
+        self, group: dict[str, Any], params: list[Tensor], updates: list[Tensor], ortho: list[list[Tensor]]
+    ) -> None:
+        """Call every registered update hook, in registration order (a sharding that observes updates calls it)."""
+        self._update_hooks.run(group, params, updates, ortho)
+
+    # ------------------------------------------------------------------ non-finite gradients (``nonfinite``)
+
+    def param_label(self, i: int, j: int) -> str:
+        """``param group i ('name'), parameter j 'param name' of shape (...)``, for messages."""
+        return self._finite.label(i, j)
+
+    def nonfinite_culprit_index(self) -> tuple[int, int] | None:
+        """(group, index) of the first parameter whose gradient on this rank holds NaN or inf, or None."""
+        return self._finite.culprit_index()
+
+    def nonfinite_culprit(self) -> str | None:
+        """``param_label`` of ``nonfinite_culprit_index()``, or None."""
+        return self._finite.culprit()
+
+    def precheck_gradients(self) -> bool:
+        """Check the gradients now, before something (clipping) rewrites them; the next step reuses the answer.
+
+        Clipping by norm spreads one NaN to every gradient; called before it, the step's error
+        names the parameter whose gradient went bad. Costs the one pass the step would make
+        (the step then skips its own), and keeps its answer only for these same gradients.
+        Returns True when every gradient is finite.
+        """
+        return self._finite.precheck()
+
+    def record_precheck(self, ok: bool, culprit: str | None = None) -> None:
+        """Remember that the current gradients are (not) all finite; a sharding that checked them calls it."""
+        self._finite.record(ok, culprit)

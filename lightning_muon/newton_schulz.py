@@ -117,6 +117,20 @@ COEFFICIENTS: dict[str, list[Coefficients]] = {
         (1.875, -1.25, 0.375),
     ],
     "polar_express_paper": _paper_schedule(),
+    # CANS, Chebyshev-type polynomials accelerating Newton-Schulz (Grishina, Smirnov, Rakhuba,
+    # arXiv 2506.10935), as NVIDIA Emerging-Optimizers 0.3.0 lists them (``muon_utils``,
+    # coefficient type "cans", pre-scaled by ||X||_F): 5 steps, the last repeated for more.
+    "cans": [
+        (8.4703, -25.1081, 18.6293),
+        (4.1828, -3.1087, 0.5806),
+        (3.9619, -2.9541, 0.5630),
+        (3.2866, -2.4647, 0.5074),
+        (2.2737, -1.6447, 0.4162),
+    ],
+    # The schedule Emerging-Optimizers 0.3.0 names coefficient type "deepseekv4": Keller
+    # Jordan's quintic 8 times, then (2, -1.5, 0.5) twice (p(1) = 1, p'(1) = 0: it settles the
+    # singular values at 1); 10 steps, the last repeated for more.
+    "deepseekv4": [(3.4445, -4.7750, 2.0315)] * 8 + [(2.0, -1.5, 0.5)] * 2,
     # Classic cubic Newton-Schulz (Higham, "Functions of Matrices", 2008, eq. 8.20):
     # converges to the exact polar factor, slowly (a gain of 1.5 per step near 0).
     "cubic": [(1.5, -0.5, 0.0)],
@@ -135,6 +149,8 @@ NORMALIZATION: dict[str, Normalization] = {
     "you": Normalization(1.0, 1e-7),
     "polar_express": Normalization(1.02, 1e-6),  # nanochat's 5-step schedule
     "polar_express_paper": Normalization(1.01, 1e-7),
+    "cans": Normalization(1.0, 1e-7),  # Emerging-Optimizers: X / max(||X||_F, 1e-7)
+    "deepseekv4": Normalization(1.0, 1e-7),
     "cubic": Normalization(1.0, 1e-7),
 }
 _DEFAULT_NORMALIZATION = Normalization(1.0, 1e-7)

@@ -1,5 +1,9 @@
 """Non-finite gradients: ``Muon``'s check before a step, the parameter it names, and the pre-clipping check.
 
+``FiniteChecks`` is composed into ``Muon`` (one per optimizer), which exposes its
+``param_label``, ``nonfinite_culprit_index``, ``nonfinite_culprit``, ``precheck_gradients``
+and ``record_precheck``.
+
 With ``nonfinite="raise"`` (the default) a NaN or inf in a gradient raises, naming the
 group and parameter; ``"skip"`` skips the whole step with a warning; ``"ignore"`` checks
 nothing (no host-device synchronization). Under a sharding the ranks agree first
@@ -15,29 +19,30 @@ from torch import Tensor
 
 from lightning_muon.functional import all_finite
 
-__all__ = ["NonFiniteChecks"]
+__all__ = ["FiniteChecks"]
 
 
-class NonFiniteChecks:
-    """``Muon``'s non-finite gradient checks (a mixin: reads ``param_groups``, ``nonfinite``, ``sharding``).
+class FiniteChecks:
+    """The non-finite gradient checks of one optimizer: reads its ``param_groups``, ``nonfinite`` and ``sharding``.
 
     The check reads every gradient once and syncs the host with the device once per step.
     """
 
-    param_groups: list[dict[str, Any]]
-    nonfinite: str
-    _sharding: Any
+    def __init__(self, optimizer: Any) -> None:
+        self.optimizer = optimizer
+        self._precheck: tuple | None = None
 
-    def _grads_finite(self, work: list) -> bool:
+    def grads_finite(self, work: list) -> bool:
         """True when the step may go on; False to skip it; raises for ``nonfinite="raise"``.
 
         Under a sharding every rank reaches the same answer: the verdict is the one the
         ranks agreed on (``Sharding.step_finite``), over every gradient any rank's step reads.
         """
-        if self.nonfinite == "ignore":
+        nonfinite = self.optimizer.nonfinite
+        if nonfinite == "ignore":
             return True
         precheck = self._take_precheck()
-        sharding = self._sharding
+        sharding = self.optimizer.sharding
         if sharding is not None:
             verdict = sharding.step_finite()
             ok, local_ok, where = verdict.finite, verdict.local_finite, verdict.culprit
@@ -51,13 +56,13 @@ class NonFiniteChecks:
             ok, where = local_ok, None
         if ok:
             return True
-        if self.nonfinite == "skip":
+        if nonfinite == "skip":
             warnings.warn(
                 "Muon: a gradient holds NaN or inf; the step was skipped for all groups", RuntimeWarning, stacklevel=3
             )
             return False
         if not local_ok:
-            culprit = culprit or self.nonfinite_culprit()
+            culprit = culprit or self.culprit()
             raise FloatingPointError(
                 f"Muon: non-finite gradient in {culprit}; pass nonfinite='skip' to skip such steps"
             )
@@ -69,9 +74,9 @@ class NonFiniteChecks:
 
     def _local_grads(self) -> list[tuple[int, int, Tensor]]:
         """(group index, index in group, this rank's gradient) for every gradient a step here reads."""
-        sharding = self._sharding
+        sharding = self.optimizer.sharding
         out = []
-        for i, group in enumerate(self.param_groups):
+        for i, group in enumerate(self.optimizer.param_groups):
             for j, p in enumerate(group["params"]):
                 if p.grad is None or p.numel() == 0:
                     continue
@@ -82,28 +87,28 @@ class NonFiniteChecks:
                     out.append((i, j, g))
         return out
 
-    def param_label(self, i: int, j: int) -> str:
+    def label(self, i: int, j: int) -> str:
         """``param group i ('name'), parameter j 'param name' of shape (...)``, for messages."""
-        group = self.param_groups[i]
+        group = self.optimizer.param_groups[i]
         names = group.get("param_names") or ()
         name = names[j] if j < len(names) else None
         label = f" {name!r}" if name else ""
         shape = tuple(group["params"][j].shape)
         return f"param group {i} ({group.get('name', group['algorithm'])!r}), parameter {j}{label} of shape {shape}"
 
-    def nonfinite_culprit_index(self) -> tuple[int, int] | None:
+    def culprit_index(self) -> tuple[int, int] | None:
         """(group, index) of the first parameter whose gradient on this rank holds NaN or inf, or None."""
         for i, j, g in self._local_grads():
             if not bool(g.isfinite().all()):
                 return i, j
         return None
 
-    def nonfinite_culprit(self) -> str | None:
-        """``param_label`` of ``nonfinite_culprit_index()``, or None."""
-        index = self.nonfinite_culprit_index()
-        return None if index is None else self.param_label(*index)
+    def culprit(self) -> str | None:
+        """``label`` of ``culprit_index()``, or None."""
+        index = self.culprit_index()
+        return None if index is None else self.label(*index)
 
-    def precheck_gradients(self) -> bool:
+    def precheck(self) -> bool:
         """Check the gradients now, before something (clipping) rewrites them; the next step reuses the answer.
 
         Clipping by norm spreads one NaN to every gradient; called before it, the step's error
@@ -111,20 +116,18 @@ class NonFiniteChecks:
         (the step then skips its own), and keeps its answer only for these same gradients.
         Returns True when every gradient is finite.
         """
-        if self.nonfinite == "ignore":
+        if self.optimizer.nonfinite == "ignore":
             return True
         entries = self._local_grads()
         ok = not entries or all_finite([g for _, _, g in entries])
-        self.record_precheck(ok, None if ok else self.nonfinite_culprit())
+        self.record(ok, None if ok else self.culprit())
         return ok
 
-    def record_precheck(self, ok: bool, culprit: str | None = None) -> None:
+    def record(self, ok: bool, culprit: str | None = None) -> None:
         """Remember that the current gradients are (not) all finite; a sharding that checked them calls it."""
         # Scaling by a finite factor (what clipping does) keeps finite values finite and
         # non-finite ones non-finite, so the answer holds until these gradients are replaced.
         self._precheck = (tuple((id(g), g.data_ptr()) for _, _, g in self._local_grads()), ok, culprit)
-
-    _precheck = None
 
     def _take_precheck(self) -> tuple[bool, str | None] | None:
         precheck, self._precheck = self._precheck, None

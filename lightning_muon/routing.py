@@ -26,6 +26,11 @@ then the default rules:
    (group ``muon_transposed``), so the lr scale reads fan_out and fan_in the right way round.
 8. ``hidden_matrices``: every other parameter (>= 2 dims) -> Muon (group ``muon``).
 
+``scalar_algorithm`` replaces AdamW in the default rules (``"lion"``, ``"adamw_schedulefree"``
+or a registered algorithm of your own; the groups take its name) and ``matrix_algorithm``
+replaces Muon (a registered variant such as ``"muon_hyperball"``). A rule's ``algorithm`` is
+any registered name, or the import path of an ``Algorithm`` (registered on first use).
+
 Frozen parameters (``requires_grad=False``) are left out. Within a rule, several
 values of one matcher are alternatives (any glob may match); different matchers
 must all match (a name glob AND a module type).
@@ -42,11 +47,11 @@ import re
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
-from typing import Any, Literal
+from typing import Any
 
 from torch import Tensor, nn
 
-from lightning_muon.hparams import ALGORITHMS
+from lightning_muon.algorithms import get_algorithm, get_algorithm_of_kind, orthogonalizes
 
 __all__ = [
     "DEFAULT_HEAD_NAMES",
@@ -59,7 +64,6 @@ __all__ = [
     "unwrap_module",
 ]
 
-SCALAR_ALGORITHMS = ALGORITHMS[1:]
 DEFAULT_HEAD_NAMES = ("lm_head", "head", "output", "output_layer", "output_projection", "classifier", "fc_out")
 # Module class names whose 2-D ``weight`` is stored (fan_in, fan_out), the transpose of
 # nn.Linear: transformers' Conv1D (GPT-2, GPT-J style). Matched by name: no import needed.
@@ -102,9 +106,7 @@ def _call(fn: Callable | str, *args: Any) -> bool:
 
 def _check_option_names(rule: str, algorithm: str, options: dict[str, Any]) -> None:
     """A typo in an option would become a group key nobody reads: refuse it, with the closest valid name."""
-    from lightning_muon.param_groups import option_names  # the algorithms' configs own their names
-
-    valid = option_names(algorithm)
+    valid = get_algorithm(algorithm).option_names()
     for key in options:
         if key not in valid:
             close = difflib.get_close_matches(str(key), sorted(valid), n=1)
@@ -122,7 +124,8 @@ class Rule:
     name: str
     """Rule name, shown in the routing report and in errors."""
     algorithm: str
-    """``"muon"``, ``"adamw"``, ``"lion"`` or ``"adamw_schedulefree"``."""
+    """A registered algorithm (``"muon"``, ``"adamw"``, ``"lion"``, ``"adamw_schedulefree"``, ...) or an
+    ``Algorithm``'s import path."""
     names: str | tuple[str, ...] = ()
     """Glob patterns (``fnmatch``) on the full parameter name, e.g. ``"*.attn.qkv.weight"``."""
     regex: str | None = None
@@ -147,8 +150,10 @@ class Rule:
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
             raise ValueError(f"Rule.name must be a non-empty string, got {self.name!r}")
-        if self.algorithm not in ALGORITHMS:
-            raise ValueError(f"Rule {self.name!r}: algorithm must be one of {ALGORITHMS}, got {self.algorithm!r}")
+        try:
+            get_algorithm(self.algorithm)
+        except ValueError as err:
+            raise ValueError(f"Rule {self.name!r}: {err}") from None
         if self.regex is not None:
             try:
                 re.compile(self.regex)
@@ -233,7 +238,7 @@ class ParamGroups(list):
                 by_rule.setdefault(self.assignments.get(name, "?"), []).append(j)
             if not by_rule:  # groups built without names
                 by_rule = {"?": list(range(len(g["params"])))}
-            layout = "-" if g["algorithm"] != "muon" else ("in,out(T)" if g.get("transposed") else "out,in")
+            layout = "-" if not orthogonalizes(g) else ("in,out(T)" if g.get("transposed") else "out,in")
             for rule, idx in by_rule.items():
                 rule = f"{rule}:{self.notes[rule]}" if rule in self.notes else rule
                 names = [g["param_names"][j] for j in idx] if "param_names" in g else []
@@ -333,8 +338,10 @@ class RoutingConfig:
     """Without a named head, treat the last nn.Linear as the head."""
     input_layer: bool = False
     """Send the first convolution or Linear weight (a convnet's stem) to the scalar algorithm."""
-    scalar_algorithm: Literal["adamw", "lion", "adamw_schedulefree"] = "adamw"
-    """Algorithm of the default rules' non-Muon groups."""
+    scalar_algorithm: str = "adamw"
+    """Algorithm of the default rules' non-Muon groups: "adamw", "lion", "adamw_schedulefree" or one registered."""
+    matrix_algorithm: str = "muon"
+    """Algorithm of the default rules' hidden matrices: "muon" or a registered variant ("muon_hyperball")."""
 
     def kwargs(self) -> dict[str, Any]:
         """``route_parameters``' keyword arguments."""
@@ -370,6 +377,7 @@ def route_parameters(
     head_by_position: bool = True,
     scalar_algorithm: str = "adamw",
     input_layer: bool = False,
+    matrix_algorithm: str = "muon",
 ) -> ParamGroups:
     """Split ``module``'s trainable parameters into named param groups by ordered rules.
 
@@ -381,9 +389,12 @@ def route_parameters(
         max_aspect_ratio: send matrices more rectangular than this to AdamW.
         head_names: attribute names that mark a Linear as the output head.
         head_by_position: with no named head, treat the last ``nn.Linear`` as the head.
-        scalar_algorithm: ``"adamw"``, ``"lion"`` or ``"adamw_schedulefree"`` for the default
-            rules' non-Muon groups (their group names take the algorithm's name).
+        scalar_algorithm: ``"adamw"``, ``"lion"``, ``"adamw_schedulefree"`` or another registered
+            algorithm that does not orthogonalize, for the default rules' non-Muon groups (their
+            group names take the algorithm's name; options it does not know are dropped).
         input_layer: send the first convolution or Linear weight (the stem) to AdamW.
+        matrix_algorithm: ``"muon"`` or a registered variant of it (``"muon_hyperball"``) for the
+            default rules' hidden matrices (group ``muon`` becomes the algorithm's name).
 
     Returns:
         ``ParamGroups``: dicts with ``params``, ``param_names``, ``algorithm``, ``name`` and the
@@ -393,8 +404,8 @@ def route_parameters(
         ValueError: a bad rule; a parameter no rule matches; a user rule sending a
             1-D parameter to Muon; two rules sharing a group with different settings.
     """
-    if scalar_algorithm not in SCALAR_ALGORITHMS:
-        raise ValueError(f"scalar_algorithm must be one of {SCALAR_ALGORITHMS}, got {scalar_algorithm!r}")
+    scalar_algorithm = get_algorithm_of_kind(scalar_algorithm, False, "scalar_algorithm").name
+    matrix_algorithm = get_algorithm_of_kind(matrix_algorithm, True, "matrix_algorithm").name
     if max_aspect_ratio is not None and not max_aspect_ratio >= 1:
         raise ValueError(f"max_aspect_ratio must be >= 1 or None, got {max_aspect_ratio!r}")
     user_rules = [r if isinstance(r, Rule) else Rule(**r) for r in (rules or [])]
@@ -421,8 +432,8 @@ def route_parameters(
                 UserWarning,
                 stacklevel=2,
             )
-    if scalar_algorithm != "adamw":
-        defaults = [_with_algorithm(r, scalar_algorithm) if r.algorithm == "adamw" else r for r in defaults]
+    chosen = {"adamw": scalar_algorithm, "muon": matrix_algorithm}  # the default rules' two algorithms
+    defaults = [r if chosen[r.algorithm] == r.algorithm else _with_algorithm(r, chosen[r.algorithm]) for r in defaults]
     user_names = {id(r) for r in user_rules}
 
     groups: dict[str, dict[str, Any]] = {}
@@ -434,7 +445,8 @@ def route_parameters(
         rule = next((r for r in (*user_rules, *defaults) if r.matches(p, name, owners.get(id(p)))), None)
         if rule is None:
             raise ValueError(f"route_parameters: no rule matches parameter {name!r} of shape {tuple(p.shape)}")
-        if rule.algorithm == "muon":
+        algorithm = get_algorithm(rule.algorithm).name  # an import path becomes the registered name
+        if orthogonalizes(algorithm):
             if p.ndim < 2:
                 raise ValueError(
                     f"route_parameters: rule {rule.name!r} sends the {p.ndim}-D parameter {name!r} to Muon; "
@@ -449,7 +461,7 @@ def route_parameters(
                     stacklevel=2,
                 )
         group_name = rule.group_name
-        setting = (rule.algorithm, rule.options)
+        setting = (algorithm, rule.options)
         if settings.setdefault(group_name, setting) != setting:
             raise ValueError(
                 f"route_parameters: rules disagree on group {group_name!r}: "
@@ -457,7 +469,7 @@ def route_parameters(
             )
         group = groups.setdefault(
             group_name,
-            {"params": [], "param_names": [], "algorithm": rule.algorithm, "name": group_name, **rule.options},
+            {"params": [], "param_names": [], "algorithm": algorithm, "name": group_name, **rule.options},
         )
         group["params"].append(p)
         group["param_names"].append(name)
@@ -468,5 +480,13 @@ def route_parameters(
 
 
 def _with_algorithm(rule: Rule, algorithm: str) -> Rule:
-    group = rule.group_name.replace("adamw", algorithm)
-    return Rule(**{**{f: getattr(rule, f) for f in rule.__dataclass_fields__}, "algorithm": algorithm, "group": group})
+    """A default rule sending to ``algorithm`` instead: ``adamw_no_decay`` -> ``lion_no_decay``, ``muon`` -> ``x``.
+
+    Options the algorithm does not take are dropped (a user's rule without weight decay).
+    """
+    prefix = rule.algorithm
+    group = algorithm + rule.group_name[len(prefix) :] if rule.group_name.startswith(prefix) else rule.group_name
+    valid = get_algorithm(algorithm).option_names()
+    options = {k: v for k, v in rule.options.items() if k in valid}
+    fields = {f: getattr(rule, f) for f in rule.__dataclass_fields__}
+    return Rule(**{**fields, "algorithm": algorithm, "group": group, "options": options})

@@ -29,6 +29,8 @@ from typing import Any, Literal
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from lightning_muon.algorithms import get_algorithm, orthogonalizes
+
 __all__ = [
     "FALLOFFS",
     "LRSchedule",
@@ -231,6 +233,15 @@ class ScheduleConfig:
         )
 
 
+def _warmup_only(group: dict[str, Any]) -> bool:
+    """True for a group whose algorithm takes the schedule's warmup only (Schedule-Free AdamW)."""
+    name = group.get("algorithm")
+    try:
+        return name is not None and not get_algorithm(name).follows_falloff
+    except ValueError:  # another optimizer's group
+        return False
+
+
 class MuonScheduler(LRScheduler):
     """Drives every group's lr by one ``LRSchedule`` and Muon groups' momentum by a warmup.
 
@@ -250,10 +261,9 @@ class MuonScheduler(LRScheduler):
     ) -> None:
         self.schedule = schedule
         self.momentum_warmup = momentum_warmup or MomentumWarmup()
-        self.base_momenta = [
-            g.get("momentum") if g.get("algorithm") == "muon" else None for g in optimizer.param_groups
-        ]
-        self.warmup_only = [g.get("algorithm") == "adamw_schedulefree" for g in optimizer.param_groups]
+        # Muon's momentum (and its variants') warms up; other algorithms' "momentum" is a read-out.
+        self.base_momenta = [g.get("momentum") if orthogonalizes(g) else None for g in optimizer.param_groups]
+        self.warmup_only = [_warmup_only(g) for g in optimizer.param_groups]
         super().__init__(optimizer, last_epoch)
 
     def get_lr(self) -> list[float]:

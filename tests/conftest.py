@@ -12,6 +12,8 @@
   set up by hand, or a run that raised before its own teardown) gets it destroyed, so
   the next test starts without one. Multi-process tests run their ranks in spawned
   processes (``dist_utils.run_distributed``), which tear down their own.
+- A test that registers an algorithm (``register_algorithm``) leaves the registry as it
+  found it: the next test sees the built-in algorithms only, whatever ran before.
 - A module marked ``policy_free`` (``pytestmark``) runs with ``LIGHTNING_MUON_FAST_BF16``
   set to a value the library refuses: a test of it, its module fixtures, or any process
   it starts (they inherit the environment) that consults the automatic bf16 policy raises.
@@ -28,6 +30,7 @@ from pathlib import Path
 import pytest
 import torch.distributed as dist
 
+from lightning_muon.algorithms import base as algorithm_registry
 from lightning_muon.newton_schulz import FAST_BF16_ENV
 
 POLICY_FREE = "policy_free"
@@ -73,3 +76,11 @@ def _teardown_process_group() -> Iterator[None]:
     yield
     if dist.is_available() and dist.is_initialized():
         dist.destroy_process_group()
+
+
+@pytest.fixture(autouse=True)
+def _restore_algorithm_registry() -> Iterator[None]:
+    registered = dict(algorithm_registry._REGISTRY)
+    yield
+    algorithm_registry._REGISTRY.clear()
+    algorithm_registry._REGISTRY.update(registered)

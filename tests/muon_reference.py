@@ -75,6 +75,15 @@ def piece_rows(rows: int, split_sizes: Sequence[int] | None) -> list[list[int]]:
     return out
 
 
+def momentum64(B: torch.Tensor, G: torch.Tensor, momentum: float, nesterov: bool, form: str = "ema"):
+    """(new momentum B, the update U to orthogonalize) for gradient G: EMA or sum, Nesterov or not."""
+    if form == "ema":
+        B = momentum * B + (1 - momentum) * G
+        return B, (1 - momentum) * G + momentum * B if nesterov else B
+    B = momentum * B + G
+    return B, G + momentum * B if nesterov else B
+
+
 def muon64(
     W0: torch.Tensor,
     grads: Sequence[torch.Tensor],
@@ -111,13 +120,7 @@ def muon64(
     elif second_moment == "adamuon":
         V = torch.zeros(rows, W[0].numel(), dtype=torch.float64)
     for G in grads:
-        G = G.to(torch.float64)
-        if momentum_form == "ema":
-            B = momentum * B + (1 - momentum) * G
-            U = (1 - momentum) * G + momentum * B if nesterov else B
-        else:
-            B = momentum * B + G
-            U = G + momentum * B if nesterov else B
+        B, U = momentum64(B, G.to(torch.float64), momentum, nesterov, momentum_form)
         if sign_momentum:
             U = torch.sign(U)
         M = U.reshape(rows, -1)
@@ -137,6 +140,47 @@ def muon64(
             Wm = Wm - lr * weight_decay * (step * Wm >= 0).double() * Wm  # a bool mask times a float is float32
         W = (Wm - lr * step).reshape(W.shape)
     return W, B, V
+
+
+def hyperball64(
+    W0: torch.Tensor,
+    grads: Sequence[torch.Tensor],
+    *,
+    lr: float = 0.05,
+    momentum: float = 0.9,
+    nesterov: bool = True,
+    weight_decay: float = 0.0,
+    coefficients: str | Sequence[Sequence[float]] = "polar_express",
+    steps: int = 5,
+    radius: float | None = None,
+    eps: float = 1e-8,
+    split_sizes: Sequence[int] | None = None,
+) -> tuple[torch.Tensor, torch.Tensor]:
+    """MuonHyperball's loop over ``grads`` in float64 (NVIDIA Emerging-Optimizers 0.3.0): final weights and momentum.
+
+    Muon's momentum and Newton-Schulz give ``O`` (per piece of a split matrix); then, after the
+    decay ``W <- W (1 - lr wd)``::
+
+        R = ||W||_F, or radius (W first rescaled to it: W <- radius W / max(||W||_F, eps))
+        O <- R O / max(||O||_F, eps);   W <- W - lr O;   W <- R W / max(||W||_F, eps)
+    """
+    W = W0.to(torch.float64, copy=True)
+    if radius is not None:
+        W = radius * W / max(torch.linalg.vector_norm(W).item(), eps)
+    B = torch.zeros_like(W)
+    rows = W.shape[0]
+    for G in grads:
+        B, U = momentum64(B, G.to(torch.float64), momentum, nesterov)
+        M = U.reshape(rows, -1)
+        Q = torch.zeros_like(M)  # O above
+        for idx in piece_rows(rows, split_sizes):
+            Q[idx] = newton_schulz64(M[idx], coefficients, steps)
+        W = W * (1 - lr * weight_decay)
+        R = radius if radius is not None else torch.linalg.vector_norm(W).item()
+        Q = R * Q / max(torch.linalg.vector_norm(Q).item(), eps)
+        Wm = W.reshape(rows, -1) - lr * Q
+        W = (R * Wm / max(torch.linalg.vector_norm(Wm).item(), eps)).reshape(W.shape)
+    return W, B
 
 
 def random_tensors(shapes: Sequence[Sequence[int]], seed: int, dtype: torch.dtype) -> list[torch.Tensor]:

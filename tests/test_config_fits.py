@@ -1,4 +1,4 @@
-"""configs/muon_fsdp.yaml trained as the README runs it: 2 CPU processes, the automatic ns_dtype.
+"""configs/muon_fsdp.yaml trained as docs/cli.md runs it: 2 CPU processes, the automatic ns_dtype.
 
 Apart from tests/test_fsdp_strategy.py because this run resolves Newton-Schulz's dtype from
 the host's bf16 policy (the config leaves ``ns_dtype`` automatic), which that module's
@@ -19,7 +19,7 @@ pytestmark = pytest.mark.distributed
 
 @pytest.mark.slow
 def test_cli_config_fits_on_two_processes(tmp_path):
-    # configs/muon_fsdp.yaml as the README runs it (2 CPU processes, Lightning's popen launcher),
+    # configs/muon_fsdp.yaml as docs/cli.md runs it (2 CPU processes, Lightning's popen launcher),
     # shrunk to 3 steps of a tiny CharGPT; validation at step 3 saves a distributed checkpoint.
     tiny = [
         "--trainer.max_steps=3",

@@ -96,6 +96,20 @@ def test_two_ranks_equal_one_process_and_save_every_momentum(tmp_path, clip):
     assert all("momentum_buffer" in state["state"][i] for i in muon_indices)
 
 
+def test_muon_hyperball_matrices_are_sharded_and_equal_one_process(tmp_path):
+    """Hidden matrices on MuonHyperball (matrix_optimizer): sharded as Muon's are; owners take the norms."""
+    config = MuonConfig(**{**CONFIG.to_dict(), "matrix_optimizer": "muon_hyperball"})
+    _fit(tmp_path / "one", "auto", 1, config=config, gradient_clip_val=0.05)
+    _fit(tmp_path / "two", "muon_ddp_spawn", 2, config=config, gradient_clip_val=0.05)
+    ranks = _ranks(tmp_path / "two", 2)
+    _assert_all_equal(ranks, _ranks(tmp_path / "one", 1)[0], **FP32)
+    # The matrices went through the sharding (to owners and back), not through DDP's all-reduce.
+    assert all(r["comm"].get("reduce_scatter", 0) > 0 and r["comm"].get("all_gather", 0) > 0 for r in ranks)
+    state = torch.load(next((tmp_path / "two").rglob("*.ckpt")), weights_only=True)["optimizer_states"][0]
+    hyperball = [i for g in state["param_groups"] if g["algorithm"] == "muon_hyperball" for i in g["params"]]
+    assert len(hyperball) == 3 and all("momentum_buffer" in state["state"][i] for i in hyperball)
+
+
 def test_three_ranks_one_owning_nothing_with_accumulation_and_clipping(tmp_path):
     # Two Muon matrices on three ranks: ownership is uneven and one rank owns none.
     widths = (32, 16)

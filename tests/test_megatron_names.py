@@ -32,6 +32,9 @@ def test_megatron_names_map_onto_ours():
     assert quintic10 == list(COEFFICIENTS["you"]) * 2
     aol8 = MuonConfig(coefficient_type="aol", num_ns_steps=8).ns_coefficients
     assert aol8 == MEGATRON_COEFFICIENTS["aol"] * 2
+    # cans and deepseekv4 repeat their last tuple (Emerging-Optimizers 0.3.0): our schedules do.
+    assert MuonConfig(coefficient_type="cans", num_ns_steps=7).ns_coefficients == "cans"
+    assert MuonConfig(coefficient_type="deepseekv4", num_ns_steps=10).ns_coefficients == "deepseekv4"
     # Megatron's polar_express numbers are the paper's divided by the 1.01 safety, to 4 digits.
     megatron_first = (8.2051, -22.9019, 16.4607)
     assert_close(torch.tensor(COEFFICIENTS["polar_express_paper"][0]), torch.tensor(megatron_first), atol=1e-4, rtol=0)
@@ -85,6 +88,13 @@ def test_megatron_names_read_from_yaml():
     assert (kw["ns_coefficients"], kw["ns_steps"], kw["adjust_lr"]) == ("polar_express_paper", 8, "spectral")
     assert (kw["extra_scale_factor"], kw["second_moment"], kw["weight_decay_form"]) == (0.2, "normuon", "cautious")
     assert config.qkv_split_shapes == (64, 16, 16) and len(config.qkv_rules()) == 2
+    for name, steps in (("cans", 5), ("deepseekv4", 10)):  # Emerging-Optimizers 0.3.0's newest types
+        parsed = parser.instantiate(
+            parser.parse_string(f"muon:\n  coefficient_type: {name}\n  num_ns_steps: {steps}\n")
+        )
+        assert (parsed.muon.ns_coefficients, parsed.muon.ns_steps) == (name, steps)
+    with pytest.raises(jsonargparse.ArgumentError, match="coefficient_type"):  # refused while parsing
+        parser.parse_string("muon:\n  coefficient_type: deepseek\n")
 
 
 def test_megatron_agreeing_values_are_accepted():

@@ -66,6 +66,8 @@ REFERENCE_CASES = [
     ("keller", 5, True, "spectral", 0.2),
     ("polar_express", 5, False, "unit_rms_norm", 1.0),
     ([(3.0, -3.2, 1.2), (1.875, -1.25, 0.375)], 6, True, "original", 1.0),
+    ("cans", 5, True, "original", 1.0),
+    ("deepseekv4", 10, True, "original", 1.0),
 ]
 
 

@@ -73,6 +73,17 @@ def test_coefficient_tables_are_complete_and_match_their_sources():
     )
     assert paper[-1] == (1.875, -1.25, 0.375)
     assert COEFFICIENTS["cubic"] == [(1.5, -0.5, 0.0)]
+    # NVIDIA Emerging-Optimizers 0.3.0 (muon_utils): "cans" (arXiv 2506.10935) and "deepseekv4",
+    # both pre-scaled by ||X||_F alone.
+    assert COEFFICIENTS["cans"] == [
+        (8.4703, -25.1081, 18.6293),
+        (4.1828, -3.1087, 0.5806),
+        (3.9619, -2.9541, 0.5630),
+        (3.2866, -2.4647, 0.5074),
+        (2.2737, -1.6447, 0.4162),
+    ]
+    assert COEFFICIENTS["deepseekv4"] == [(3.4445, -4.7750, 2.0315)] * 8 + [(2.0, -1.5, 0.5)] * 2
+    assert NORMALIZATION["cans"] == NORMALIZATION["deepseekv4"] == (1.0, 1e-7)
 
 
 def test_ns_flops_counts_three_matmuls_on_the_short_side():
@@ -93,13 +104,20 @@ def test_ns_flops_counts_three_matmuls_on_the_short_side():
 #   you     5 steps, floor 5e-3: [0.9778, 1.1115]
 #   polar_express        5 steps, floor 1e-3: [0.8466, 1.1411]
 #   polar_express_paper  8 steps, floor 1e-3: [1 - 3e-15, 1 + 3e-15]
-# The bands below add a margin of ~0.03 (1e-3 for the converged paper schedule), which
-# covers float32 rounding (~1e-5 here) but would catch a wrong coefficient or normalization.
+#   cans     5 steps, floor 1e-3: [0.8844, 1.1198]
+#   deepseekv4  10 steps, floor 1e-3: [1.0000, 1.0005] (approached from above: the last
+#               tuple's p(x) = 2x - 1.5x^3 + 0.5x^5 has p(1) = 1, p'(1) = 0, p''(1) = 1);
+#               inputs down to 1e-5 land below 1.0021
+# The bands below add a margin of ~0.03 (1e-3 for the converged schedules, above 1.0021 for
+# deepseekv4, whose band also caps the inputs below the floor), which covers float32 rounding
+# (~1e-5 here) but would catch a wrong coefficient or normalization.
 BANDS = {
     "keller": (5, 2e-3, 0.65, 1.25),
     "you": (5, 5e-3, 0.95, 1.15),
     "polar_express": (5, 1e-3, 0.82, 1.17),
     "polar_express_paper": (8, 1e-3, 0.999, 1.001),
+    "cans": (5, 1e-3, 0.85, 1.15),
+    "deepseekv4": (10, 1e-3, 0.999, 1.003),
 }
 
 

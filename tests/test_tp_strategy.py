@@ -5,8 +5,9 @@ starting processes is the expensive part): ``duplicated`` and ``distributed`` ag
 process with gradient clipping and the spectra callback, ``blockwise`` and how far it
 lands, NorMuon/AdaMuon second moments, a resume of the 2 x 2 checkpoint on a 4 x 1 mesh,
 ``QKClip`` (each tensor-parallel rank records its own heads' maxima), with and without
-``cap_forward``, and Lightning's own ``ModelParallelStrategy`` failing to clip the same model
-(its norms of parameters on the 1-D and the 2-D mesh cannot be concatenated). A second,
+``cap_forward``, MuonHyperball (whole-matrix norms summed over every rank's block), and
+Lightning's own ``ModelParallelStrategy`` failing to clip the same model (its norms of
+parameters on the 1-D and the 2-D mesh cannot be concatenated). A second,
 1-process launch resumes the checkpoint on 1 x 1.
 """
 
@@ -43,6 +44,9 @@ SECOND_MOMENTS = dict(
         Rule(name="adamuon", algorithm="muon", names="*attn.[qv]*", min_ndim=2, options={"second_moment": "adamuon"}),
     ],
 )
+# MuonHyperball on the hidden matrices: its norms span blocks split on both mesh dims and a
+# matrix on the 1-D data mesh (held alike by both tensor-parallel ranks, counted once).
+HYPERBALL = dict(matrix_optimizer="muon_hyperball", tp_mode="distributed")
 
 
 @pytest.fixture(scope="module")
@@ -58,6 +62,7 @@ def launch(tmp_path_factory):
         dict(root=root / "resume4x1", tp=1, ckpt_path=saved, **fit),
         dict(root=root / "qk", qk_clip=QK_CLIP, **fit),
         dict(root=root / "qk_cap", qk_clip=QK_CAP, **fit),
+        dict(root=root / "hyperball", max_steps=3, config=HYPERBALL),
         dict(root=root / "plain", plain=True, max_steps=3, clip=CLIP),  # last: its error ends the fit mid-step
     ]
     ranks = run_distributed(tp_fit_worker, 4, runs)
@@ -70,7 +75,8 @@ def launch(tmp_path_factory):
         "qk": reference_fit(root / "ref_qk", STEPS, clip=CLIP, qk_clip=QK_CLIP),
         "qk_cap": reference_fit(root / "ref_qk_cap", STEPS, clip=CLIP, qk_clip=QK_CAP, micro_batches=2),
     }
-    return ranks, one[0][0], reference, moments, qk
+    hyperball = reference_fit(root / "ref_hyperball", 3, **HYPERBALL)
+    return ranks, one[0][0], reference, moments, qk, hyperball
 
 
 def _close(actual: dict, expected: dict) -> None:
@@ -85,7 +91,7 @@ MUON.append("net.mix.weight")
 
 @pytest.mark.slow
 def test_exact_modes_equal_one_process(launch):
-    ranks, _, reference, _, _ = launch
+    ranks, _, reference, _, _, _ = launch
     dup, dist = ranks[0][0], ranks[0][1]
     assert dup["tp_mode"] == "duplicated" and dist["tp_mode"] == "distributed"
     # The layout the sharding meets: Colwise, Rowwise, a Muon matrix and norms on the 1-D mesh.
@@ -103,7 +109,7 @@ def test_exact_modes_equal_one_process(launch):
 
 @pytest.mark.slow
 def test_bytes_per_mesh_dim_follow_the_formulas(launch):
-    ranks, _, _, _, _ = launch
+    ranks, _, _, _, _, _ = launch
     T = D = 2
     shapes = {n: p.shape for n, p in TinyTPTransformer().named_parameters() if n in MUON}
     split = {n: 0 if any(k in n for k in ("attn.q", "attn.k", "attn.v", "fc1")) else 1 for n in MUON}
@@ -123,7 +129,7 @@ def test_bytes_per_mesh_dim_follow_the_formulas(launch):
 
 @pytest.mark.slow
 def test_blockwise_differs(launch):
-    ranks, _, reference, _, _ = launch
+    ranks, _, reference, _, _, _ = launch
     block = ranks[0][2]
     assert block["bytes"]["tensor_parallel"] == {}
     start = {n: p.detach() for n, p in TinyTPTransformer().named_parameters()}
@@ -138,14 +144,14 @@ def test_blockwise_differs(launch):
 
 @pytest.mark.slow
 def test_second_moments_under_tp(launch):
-    ranks, _, _, moments, _ = launch
+    ranks, _, _, moments, _, _ = launch
     assert ranks[0][3]["tp_mode"] == "distributed"
     _close(ranks[0][3]["params"], moments["params"])
 
 
 @pytest.mark.slow
 def test_spectra_measured_once_each_on_one_rank(launch):
-    ranks, _, reference, _, _ = launch
+    ranks, _, reference, _, _, _ = launch
     for index in (0, 1):  # duplicated holds whole matrices; distributed gathers them for the observer
         for name in MUON:
             measured = [r[index]["measured"].get(name, 0) for r in ranks]
@@ -157,8 +163,23 @@ def test_spectra_measured_once_each_on_one_rank(launch):
 
 
 @pytest.mark.slow
+def test_hyperball_under_tp(launch):
+    ranks, _, _, _, _, hyperball = launch
+    for rank in ranks:
+        run = rank[7]
+        assert run["tp_mode"] == "distributed" and run["global_step"] == 3
+        _close(run["params"], hyperball["params"])
+        # One all-reduce of the norms' sums per Muon group and step, over the world.
+        assert run["calls"]["world"]["matrix_sums"] == 3
+    # On their spheres: every matrix's norm shrank by the same factor, the decay's (1 - lr_t wd) per step.
+    start = {n: p.detach() for n, p in TinyTPTransformer().named_parameters()}
+    ratios = [float(ranks[0][7]["params"][n].norm() / start[n].norm()) for n in MUON]
+    assert max(ratios) < 1.0 and max(ratios) - min(ratios) < 1e-5, ratios
+
+
+@pytest.mark.slow
 def test_checkpoint_resumes_on_other_meshes(launch):
-    ranks, one, reference, _, _ = launch
+    ranks, one, reference, _, _, _ = launch
     for resumed in (ranks[0][4], one):  # 4 x 1, then 1 x 1
         assert resumed["global_step"] == STEPS
         _close(resumed["params"], ranks[0][0]["params"])
@@ -167,7 +188,7 @@ def test_checkpoint_resumes_on_other_meshes(launch):
 
 @pytest.mark.slow
 def test_plain_model_parallel_strategy_cannot_clip(launch):
-    ranks, _, _, _, _ = launch
+    ranks, _, _, _, _, _ = launch
     # torch 2.13: the per-parameter norms live on the 1-D and the 2-D mesh and cannot be joined.
     for rank in ranks:
         error = rank[-1]["error"]
@@ -180,7 +201,7 @@ def test_qk_clip_clips_each_tensor_parallel_ranks_heads_as_one_process(launch, i
     # Each TP rank runs (and records the maxima of) its own 2 of the 4 query heads; the
     # callback places them at its heads' offset and MAX-reduces over all 4 ranks, so every
     # rank sees the (4,) maxima of one process and scales the rows of its own heads.
-    ranks, _, _, _, qk = launch
+    ranks, _, _, _, qk, _ = launch
     expected = qk[key]
     for rank, result in enumerate(ranks):
         run = result[index]

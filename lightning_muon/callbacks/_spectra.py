@@ -30,6 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
+from lightning_muon.algorithms import orthogonalizes
 from lightning_muon.functional import adjust_lr_ratio, matrix_views
 from lightning_muon.metrics import rms, singular_values, spectrum_stats
 
@@ -120,7 +121,7 @@ class SpectrumCollector:
     """Selects the watched matrices of some ``Muon`` optimizers and measures their updates.
 
     Args:
-        optimizers: the ``Muon`` optimizers (unwrapped) whose ``"muon"`` groups are watched.
+        optimizers: the ``Muon`` optimizers (unwrapped) whose Muon groups (and variants') are watched.
         module: used to name parameters whose group has no ``"param_names"``.
         names: glob patterns (``fnmatch``) or ``"re:<regex>"`` (``re.search``); None: all.
         max_matrices: keep only this many parameters, the largest by element count.
@@ -155,7 +156,7 @@ class SpectrumCollector:
         seen: set[int] = set()
         for k, opt in enumerate(self.optimizers):
             for g, group in enumerate(opt.param_groups):
-                if group.get("algorithm") != "muon":
+                if not orthogonalizes(group):
                     continue
                 group_names = group.get("param_names")
                 for j, p in enumerate(group["params"]):

@@ -4,7 +4,7 @@ Counts follow the bandwidth-optimal algorithms' cost per rank for W ranks and a
 payload of B bytes: all-reduce 2 (W - 1) / W * B, reduce-scatter and all-gather
 (W - 1) / W * B each, and for an all-to-all exactly the bytes sent to other ranks.
 The strategies compare their totals with plain DDP's all-reduce of the same
-parameters (``all_reduce_bytes``).
+parameters (``all_reduce_bytes``). ``owner_groups`` makes the subgroups they run in.
 """
 
 from __future__ import annotations
@@ -15,7 +15,7 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["CommStats", "all_reduce_", "all_reduce_bytes", "all_to_all_v"]
+__all__ = ["CommStats", "all_reduce_", "all_reduce_bytes", "all_to_all_v", "owner_groups"]
 
 
 class CommStats:
@@ -90,3 +90,30 @@ def all_to_all_v(
     if stats is not None:
         stats.record(name, (sum(send_counts) - send_counts[rank]) * send.element_size())
     return recv
+
+
+def owner_groups(group, world_size: int, size: int, fresh: bool = False):
+    """(this rank's owner group, its peer group across groups or None) for groups of ``size`` ranks.
+
+    Every rank creates every subgroup, in the same order, as ``torch.distributed.new_group``
+    requires. With one group (``size == world_size``) the owner group is ``group`` itself,
+    unless ``fresh`` asks for a new one (and then no peer group is made).
+    """
+    if size == world_size and not fresh:
+        return group, None
+    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
+    me = ranks[dist.get_rank(group)]
+    mine = peers = None
+    for g in range(world_size // size):
+        members = ranks[g * size : (g + 1) * size]
+        created = dist.new_group(members)
+        if me in members:
+            mine = created
+    if fresh:
+        return mine, None
+    for local in range(size):
+        members = ranks[local::size]
+        created = dist.new_group(members)
+        if me in members:
+            peers = created
+    return mine, peers

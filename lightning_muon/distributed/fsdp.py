@@ -36,9 +36,10 @@ from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_muon.distributed.comm import CommStats, all_to_all_v
+from lightning_muon.algorithms import orthogonalizes
+from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
 from lightning_muon.distributed.planning import plan_ownership
 from lightning_muon.distributed.protocol import Sharding
 from lightning_muon.functional import muon_orthogonalize, piece_shapes
@@ -135,6 +136,24 @@ class MuonFSDPSharding(Sharding):
                 "MuonFSDPSharding: ranks disagree on which Muon matrices have gradients "
                 f"(this rank: {len(self._with_grad)} of {len(self.params)}); every rank must run the same modules"
             )
+
+    @torch.no_grad()
+    def reduce_matrix_sums(self, params: list[Tensor], partial: Tensor) -> Tensor:
+        """Whole-matrix sums: one all-reduce of the ``(K, k)`` per-rank sums (``Sharding.reduce_matrix_sums``).
+
+        Every rank holds a row block of every matrix, so whole-matrix sums are the sums of the
+        ranks' own (``"matrix_sums"`` in ``stats``): one collective of ``K k`` numbers per Muon
+        group, where sending whole matrices to owners would move every element again. A piece
+        that several ranks hold alike (replicated on a tensor-parallel mesh dim) counts once:
+        each holder adds its share.
+        """
+        copies = [_copies(p, self.world_size) for p in params]
+        total = partial.clone()
+        if any(c > 1 for c in copies):
+            total /= torch.tensor(copies, dtype=total.dtype, device=total.device).unsqueeze(1)
+        if self.world_size > 1:
+            all_reduce_(total, group=self.group, stats=self.stats, name="matrix_sums")
+        return total
 
     # ------------------------------------------------------------------ orthogonalization
 
@@ -307,6 +326,14 @@ def exchange_with_owners(
     return out  # type: ignore[return-value]
 
 
+def _copies(p: Tensor, world_size: int) -> int:
+    """How many of the ``world_size`` ranks hold the same piece of ``p`` (1 when every rank's piece differs)."""
+    if not isinstance(p, DTensor):
+        return world_size
+    sharded = [p.device_mesh.size(i) for i, place in enumerate(p.placements) if not isinstance(place, Replicate)]
+    return world_size // math.prod(sharded)
+
+
 def _split(flat: Tensor, sizes: list[int]) -> Sequence[Tensor]:
     return flat.split(sizes) if sizes else ()
 
@@ -322,18 +349,18 @@ def _strides(shape: torch.Size) -> tuple[int, ...]:
 def muon_params(
     optimizer, who: str, check: Callable[[dict, str, list[Tensor]], None]
 ) -> tuple[list[dict], list[Tensor]]:
-    """The optimizer's Muon param groups and their parameters, in order, each group checked.
+    """The optimizer's Muon param groups (Muon and its variants) and their parameters, in order, each checked.
 
     ``check(group, where, params)`` runs on every Muon group (``where`` names it for error
     messages, ``params`` are all the Muon parameters); ``who`` prefixes the error raised
     when there are none.
     """
-    groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
+    groups = [g for g in optimizer.param_groups if orthogonalizes(g)]  # Muon and its variants
     params: list[Tensor] = [p for g in groups for p in g["params"]]
     if not params:
         raise ValueError(f"{who}: the optimizer has no Muon parameters")
     for index, g in enumerate(optimizer.param_groups):
-        if g["algorithm"] != "muon":
+        if not orthogonalizes(g):
             continue
         check(g, f"param group {index}" + (f" ({g['name']!r})" if "name" in g else ""), params)
     return groups, params

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_muon.distributed.comm import all_reduce_bytes
+from lightning_muon.distributed.comm import all_reduce_bytes, owner_groups
 
 __all__ = ["OverlappedReduce"]
 
@@ -52,8 +52,6 @@ class OverlappedReduce:
         # A group of its own: DDP's reducer issues all-reduces on the default group from the
         # same hooks, and two streams of collectives on one group could interleave
         # differently on different ranks.
-        from lightning_muon.distributed.sharded import owner_groups  # (sharded imports this module)
-
         self.group, _ = owner_groups(sharding.group, sharding.world_size, sharding.group_size, fresh=True)
         self.buckets = self._buckets(bucket_cap_mb * 1024**2)
         self._bucket_of = {id(p): b for b, members in enumerate(self.buckets) for p in members}

@@ -9,6 +9,7 @@ order within one ``step``::
     sharding.owns(p)               # which parameters this rank steps
     sharding.local_shard(grad)     # the part of a gradient this rank holds
     sharding.orthogonalize(...)    # per Muon group: Newton-Schulz on whole matrices
+    sharding.reduce_matrix_sums()  # a variant that needs whole-matrix norms (MuonHyperball)
     sharding.gather_parameters()   # after the update: results to every rank
 
 ``MuonSharding`` (DDP: whole tensors on every rank, gradients reduced onto owners) and
@@ -134,6 +135,16 @@ class Sharding:
         into the parameters in one pass).
         """
         return muon_orthogonalize(updates, **ns_kwargs, keep_work_dtype=True)
+
+    def reduce_matrix_sums(self, params: list[Tensor], partial: Tensor) -> Tensor:
+        """Whole-matrix sums from this rank's part of them: ``partial[i]`` sums over its piece of ``params[i]``.
+
+        ``partial`` is ``(len(params), k)``: k sums per parameter (squares, dot products) over the
+        elements of it this rank holds (``local_shard``). Returns the sums over whole parameters.
+        Every rank that steps ``params`` calls it with the same parameters. The default, for
+        whole tensors on the rank that steps them (DDP owners), returns ``partial``: no traffic.
+        """
+        return partial
 
     def gather_parameters(self) -> None:
         """After the owners stepped: bring every rank's copy of the parameters up to date (every rank calls it)."""

@@ -29,7 +29,8 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
+from lightning_muon.algorithms import orthogonalizes
+from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v, owner_groups
 from lightning_muon.distributed.overlap import OverlappedReduce
 from lightning_muon.distributed.planning import plan_ownership
 from lightning_muon.distributed.protocol import Sharding
@@ -76,7 +77,7 @@ class MuonSharding(Sharding):
         """This rank's place in its owner group: what the plan's owners are numbered by."""
         self.owner_group, self.peer_group = owner_groups(group, world_size, size)
         self._overlap: OverlappedReduce | None = None
-        groups = [g for g in optimizer.param_groups if g["algorithm"] == "muon"]
+        groups = [g for g in optimizer.param_groups if orthogonalizes(g)]  # Muon and its variants
         params = [p for g in groups for p in g["params"]]
         plan = plan_ownership(
             [p.shape for p in params],
@@ -298,33 +299,6 @@ class MuonSharding(Sharding):
         for p in self.params:
             if not self.owns(p):
                 self.optimizer.state.pop(p, None)
-
-
-def owner_groups(group, world_size: int, size: int, fresh: bool = False):
-    """(this rank's owner group, its peer group across groups or None) for groups of ``size`` ranks.
-
-    Every rank creates every subgroup, in the same order, as ``torch.distributed.new_group``
-    requires. With one group (``size == world_size``) the owner group is ``group`` itself,
-    unless ``fresh`` asks for a new one (and then no peer group is made).
-    """
-    if size == world_size and not fresh:
-        return group, None
-    ranks = dist.get_process_group_ranks(group) if group is not None else list(range(world_size))
-    me = ranks[dist.get_rank(group)]
-    mine = peers = None
-    for g in range(world_size // size):
-        members = ranks[g * size : (g + 1) * size]
-        created = dist.new_group(members)
-        if me in members:
-            mine = created
-    if fresh:
-        return mine, None
-    for local in range(size):
-        members = ranks[local::size]
-        created = dist.new_group(members)
-        if me in members:
-            peers = created
-    return mine, peers
 
 
 def _tensor_shapes(entry: dict) -> list[tuple[int, ...]]:

@@ -1,0 +1,255 @@
+"""The algorithm registry: what a param group's ``"algorithm"`` names, and how to add one.
+
+``Muon`` steps every param group with the ``Algorithm`` registered under the group's
+``"algorithm"`` key. An algorithm is one object that knows its hyperparameters (a
+dataclass whose fields are the group keys it reads, with their defaults), how to check
+them, what a new group needs, and how to step a group::
+
+    Muon.add_param_group(group)
+        algorithm = get_algorithm(group["algorithm"])   # or the one its tensors imply
+        group <- algorithm.group_defaults(config)        # defaults from Muon(...) / MuonConfig
+        algorithm.check(group's own values)              # a bad value names the key
+        algorithm.init_group(group, params)              # shapes, derived keys
+    Muon.step()
+        algorithm.prepare_step(optimizer, groups)        # per algorithm in use, before the closure
+        algorithm.step_group(optimizer, group, params, grads)   # per group, in group order
+        algorithm.finish_step(optimizer, groups)         # per algorithm, after every group
+
+The built-in algorithms register themselves at the bottom of their modules (``muon``,
+``adamw``, ``lion``, ``adamw_schedulefree``, ``muon_hyperball``); a user's algorithm, in a
+file of its own, does the same with ``register_algorithm`` and is then a name like any
+other, in a param group, a routing ``Rule`` and YAML.
+
+References:
+    Megatron-Core ``emerging_optimizers``: one ``EmergingOptimizerEntry`` per optimizer,
+    registered at the bottom of the module.
+    NVIDIA-NeMo Emerging-Optimizers: one ``OrthogonalizedOptimizer`` base with pre- and
+    post-weight-update hooks, and a file per variant.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import importlib
+import re
+from collections.abc import Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
+
+from torch import Tensor
+
+from lightning_muon.algorithms.checks import HparamError
+
+if TYPE_CHECKING:
+    from torch.optim import Optimizer
+
+    from lightning_muon.hparams import OptimizerConfig
+
+__all__ = [
+    "Algorithm",
+    "algorithm_names",
+    "get_algorithm",
+    "get_algorithm_of_kind",
+    "orthogonalizes",
+    "register_algorithm",
+]
+
+# Keys a param group always has, whatever its algorithm: no hyperparameter may take them.
+RESERVED_KEYS = frozenset({"params", "algorithm", "name", "param_names"})
+_NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
+
+
+class Algorithm:
+    """One update rule for ``Muon``'s param groups: its hyperparameters, their checks, its state and its step.
+
+    Subclass it in a module of its own: set ``name`` and ``hparams``, write ``step_group``, and
+    register an instance with ``register_algorithm`` (or decorate the class with it). The other
+    methods have defaults that suit an elementwise rule; the built-ins override what they need.
+    The per-parameter state lives in ``optimizer.state[p]`` (saved and loaded with the
+    optimizer), the hyperparameters in the group, so a checkpoint holds everything.
+
+    Class attributes:
+        name: the group's ``"algorithm"`` value; a Python identifier.
+        hparams: a dataclass whose fields are the group keys this algorithm reads, with their
+            defaults; constructing it checks values (raise ``ValueError`` in ``__post_init__``).
+        orthogonalizes: True for Muon and its variants: their groups hold matrices whose
+            updates are orthogonalized (a ``Sharding`` splits that work across ranks), their
+            ``momentum`` is Muon's (the momentum warmup drives it) and the update hooks
+            observe them.
+        follows_falloff: False when the lr schedule applies only its warmup to these groups
+            (Schedule-Free AdamW averages its iterates instead of decaying the lr).
+        layout_options: group keys besides the hyperparameters (Muon: ``split_sizes``, ...).
+    """
+
+    name: ClassVar[str] = ""
+    hparams: ClassVar[type] = type(None)
+    orthogonalizes: ClassVar[bool] = False
+    follows_falloff: ClassVar[bool] = True
+    layout_options: ClassVar[frozenset[str]] = frozenset()
+
+    # ------------------------------------------------------------------ hyperparameters
+
+    def option_names(self) -> frozenset[str]:
+        """The keys a param group of this algorithm may set: its hyperparameters, layout, ``name``, ``param_names``."""
+        own = {f.name for f in dataclasses.fields(self.hparams)}
+        return frozenset({"name", "param_names"} | own | self.layout_options)
+
+    def make_hparams(self, values: Mapping[str, Any], where: str = "Muon()", prefix: str = "") -> Any:
+        """An ``hparams`` instance from ``values`` (unknown keys refused), checked by its ``__post_init__``."""
+        fields = {f.name for f in dataclasses.fields(self.hparams)}
+        unknown = sorted(set(values) - fields)
+        if unknown:
+            raise HparamError(
+                f"{where}: {unknown} are not hyperparameters of {self.name!r} (valid: {sorted(fields)})", prefix
+            )
+        try:
+            return self.hparams(**values)
+        except HparamError as err:  # a built-in check: its message after its own "Muon(): "
+            raise HparamError(f"{where}: {err.detail}", err.field, err.detail) from None
+        except (TypeError, ValueError) as err:
+            raise HparamError(f"{where}: {self.name}: {err}", prefix) from None
+
+    def check(self, values: Mapping[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
+        """Check this algorithm's hyperparameters in ``values`` (a group); returns the normalized ones to store.
+
+        ``where`` starts every message (``"Muon()"``, ``"param group 2 ('muon')"``); ``prefix``
+        makes names the keywords a user passed (``adamw_eps``). Raises ``HparamError``.
+        """
+        fields = [f.name for f in dataclasses.fields(self.hparams)]
+        return dataclasses.asdict(self.make_hparams({k: values[k] for k in fields if k in values}, where, prefix))
+
+    def group_defaults(self, config: OptimizerConfig) -> dict[str, Any]:
+        """The values a new group of this algorithm starts from: ``config``'s hyperparameters for it."""
+        return dataclasses.asdict(config.hparams_of(self.name))
+
+    # ------------------------------------------------------------------ groups
+
+    def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
+        """Check ``params`` against the group and add derived keys (in place); called once per new group."""
+
+    # ------------------------------------------------------------------ steps
+
+    def prepare_step(self, optimizer: Optimizer, groups: list[dict[str, Any]]) -> None:
+        """Before the step's closure runs, once per step for this algorithm's ``groups`` (all of them)."""
+
+    def step_group(
+        self, optimizer: Optimizer, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]
+    ) -> None:
+        """Update ``params`` (those of ``group`` with a gradient, this rank's to step) from ``grads``."""
+        raise NotImplementedError(f"algorithm {self.name!r} has no step_group")
+
+    def finish_step(self, optimizer: Optimizer, groups: list[dict[str, Any]]) -> None:
+        """After every group was stepped, once per step for this algorithm's ``groups``."""
+
+    def train(self, optimizer: Optimizer, groups: list[dict[str, Any]]) -> None:
+        """``Muon.train()``: the groups' parameters to their training values (a no-op unless overridden)."""
+
+    def eval(self, optimizer: Optimizer, groups: list[dict[str, Any]]) -> None:
+        """``Muon.eval()``: the groups' parameters to their evaluation values (a no-op unless overridden)."""
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}(name={self.name!r})"
+
+
+_REGISTRY: dict[str, Algorithm] = {}
+
+
+def register_algorithm(algorithm: Algorithm | type[Algorithm], *, replace: bool = False) -> Any:
+    """Register ``algorithm`` (an ``Algorithm`` instance, or a subclass to instantiate) under its ``name``.
+
+    Returns what it was given, so it also decorates a class. A name already registered raises
+    unless ``replace=True``. From then on ``name`` may be a param group's ``"algorithm"``, a
+    ``Rule``'s ``algorithm``, ``MuonConfig.scalar_optimizer`` or ``matrix_optimizer``, and a key
+    of ``algorithm_defaults``.
+
+    Raises:
+        TypeError: not an ``Algorithm``, or ``hparams`` is not a dataclass.
+        ValueError: a bad or taken name, a hyperparameter named like a reserved group key,
+            or no ``step_group``.
+    """
+    is_class = isinstance(algorithm, type)
+    if not (issubclass(algorithm, Algorithm) if is_class else isinstance(algorithm, Algorithm)):
+        raise TypeError(f"register_algorithm: expected an Algorithm or a subclass of it, got {algorithm!r}")
+    instance = algorithm() if is_class else algorithm
+    name = instance.name
+    if not isinstance(name, str) or not _NAME.match(name):
+        raise ValueError(f"register_algorithm: {type(instance).__name__}.name must be an identifier, got {name!r}")
+    if not dataclasses.is_dataclass(instance.hparams):
+        raise TypeError(f"register_algorithm: {name!r}: hparams must be a dataclass, got {instance.hparams!r}")
+    clash = sorted(RESERVED_KEYS & {f.name for f in dataclasses.fields(instance.hparams)})
+    if clash:
+        raise ValueError(f"register_algorithm: {name!r}: hyperparameters {clash} are reserved group keys")
+    if type(instance).step_group is Algorithm.step_group:
+        raise ValueError(f"register_algorithm: {name!r} does not define step_group")
+    if name in _REGISTRY and not replace:
+        raise ValueError(
+            f"register_algorithm: {name!r} is registered already ({_REGISTRY[name]!r}); pass replace=True to replace it"
+        )
+    _REGISTRY[name] = instance
+    return algorithm
+
+
+def get_algorithm(name: str) -> Algorithm:
+    """The algorithm registered under ``name``, or at the import path ``name`` (``"my_pkg.rules.Signum"``).
+
+    An import path names an ``Algorithm`` subclass or instance in an importable module; it is
+    registered under its own ``name`` on first use, so a YAML config can name an algorithm
+    that nothing imported yet. A ``ValueError`` lists the registered names.
+    """
+    algorithm = _REGISTRY.get(name) if isinstance(name, str) else None
+    if algorithm is None and isinstance(name, str) and "." in name:
+        algorithm = _import(name)
+    if algorithm is None:
+        raise ValueError(
+            f"algorithm must be one of {algorithm_names()}, got {name!r} (an algorithm of your own: "
+            "register it with lightning_muon.register_algorithm, or name it by its import path)"
+        )
+    return algorithm
+
+
+def _import(path: str) -> Algorithm:
+    module, _, attr = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module), attr)
+    except (ImportError, AttributeError) as err:
+        raise ValueError(f"algorithm {path!r} cannot be imported: {err}") from None
+    if isinstance(found, type) and issubclass(found, Algorithm):
+        registered = _REGISTRY.get(found.name)
+        if type(registered) is found:  # the module registered it when imported
+            return registered
+        return _REGISTRY[register_algorithm(found()).name]
+    if isinstance(found, Algorithm):
+        if _REGISTRY.get(found.name) is not found:
+            register_algorithm(found)
+        return found
+    raise ValueError(f"algorithm {path!r} is {found!r}, not an Algorithm subclass or instance")
+
+
+def get_algorithm_of_kind(name: str, orthogonal: bool, what: str) -> Algorithm:
+    """``get_algorithm(name)`` for a role that needs an algorithm that does (not) orthogonalize.
+
+    ``what`` names the setting in the error (``"scalar_algorithm"``), which lists the choices.
+    """
+    try:
+        algorithm = get_algorithm(name)
+    except ValueError:
+        algorithm = None
+    if algorithm is None or algorithm.orthogonalizes != orthogonal:
+        raise ValueError(f"{what} must be one of {algorithm_names(orthogonal=orthogonal)}, got {name!r}")
+    return algorithm
+
+
+def algorithm_names(orthogonal: bool | None = None) -> tuple[str, ...]:
+    """Registered names in registration order; ``orthogonal`` keeps only those that (do not) orthogonalize."""
+    return tuple(n for n, a in _REGISTRY.items() if orthogonal is None or a.orthogonalizes == orthogonal)
+
+
+def orthogonalizes(group: Mapping[str, Any] | str) -> bool:
+    """True when a group's algorithm (or the algorithm of that name) is Muon or a variant of it.
+
+    False for a group without one (another optimizer's) or an unknown name.
+    """
+    name = group if isinstance(group, str) else group.get("algorithm")
+    algorithm = _REGISTRY.get(name) if isinstance(name, str) else None  # the hot path: a dict lookup
+    if algorithm is None and isinstance(name, str) and "." in name:
+        algorithm = get_algorithm(name)
+    return algorithm is not None and algorithm.orthogonalizes

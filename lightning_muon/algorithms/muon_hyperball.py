@@ -1,0 +1,166 @@
+r"""``"muon_hyperball"`` groups: Muon whose weight update keeps every matrix on a sphere (MuonHyperball).
+
+Everything up to the orthogonalized update ``O`` is Muon's (momentum, Newton-Schulz, any
+second moment; ``MuonAlgorithm``). The weight update then keeps the Frobenius norm of each
+parameter ``W``, after the decoupled decay ``W <- W (1 - lr wd)``::
+
+    R <- ||W||_F, or the fixed radius r (every parameter rescaled to r before its first step)
+    O <- R O / max(||O||_F, eps)
+    W <- W - lr O
+    W <- R W / max(||W||_F, eps)                    eps = hyperball_eps = 1e-8
+
+so each step turns ``W`` on the sphere of radius ``R`` by a relative step of about ``lr``.
+The norms span the whole parameter (every piece of a fused QKV split, every matrix of a
+batch), as NVIDIA's implementation takes ``p.norm()``; ``adjust_lr`` and
+``extra_scale_factor`` scale ``O`` before it is normalized and so change nothing. With
+``R = ||W||_F`` a weight decay shrinks the radius by ``(1 - lr wd)`` per step; with a fixed
+radius it does nothing. A parameter whose norm is 0 has no direction to keep and is refused.
+
+Three sums per parameter give both norms: ``||W||^2``, ``<W, O>`` and ``||O||^2``, since
+``||W - c O||^2 = ||W||^2 - 2 c <W, O> + c^2 ||O||^2``. Under a sharding they are summed
+over the ranks' pieces (``Sharding.reduce_matrix_sums``): nothing moves under DDP, whose
+owners hold whole matrices, and one all-reduce of ``3 K`` numbers per group under FSDP2,
+where every rank holds a row block of every matrix. (Owners there hold ``O`` whole but not
+``W``; sending ``W`` to them would move every element once more.) The sums are taken in
+float32 at least; the expansion loses relative precision only as ``||W - c O||`` falls far
+below ``||W||``, a step that would all but cancel the weight.
+
+References:
+    NVIDIA-NeMo Emerging-Optimizers 0.3.0, ``orthogonalized_optimizers/muon_hyperball.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from dataclasses import dataclass
+from typing import TYPE_CHECKING, Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lightning_muon.algorithms.base import register_algorithm
+from lightning_muon.algorithms.checks import HparamError, check_number, normalize
+from lightning_muon.algorithms.muon import MUON, MuonAlgorithm
+from lightning_muon.functional import matrix_slots
+
+if TYPE_CHECKING:
+    from lightning_muon.hparams import OptimizerConfig
+
+__all__ = ["HyperballHparams", "MuonHyperball", "check_hyperball"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class HyperballHparams:
+    """MuonHyperball's own group keys; its other knobs are Muon's (``Muon``'s unprefixed keywords)."""
+
+    hyperball_radius: float | None = None
+    """Fixed Frobenius norm of every parameter (rescaled to it before its first step); None: each keeps its own."""
+    hyperball_eps: float = 1e-8
+    """Floor of the norms the update and the weight are divided by; > 0."""
+
+    def __post_init__(self) -> None:
+        normalize(self, check_hyperball(dataclasses.asdict(self), "Muon()"))
+
+
+def check_hyperball(group: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
+    """Check MuonHyperball's own keys in ``group``; returns them to store."""
+    if group["hyperball_radius"] is not None:
+        check_number(group["hyperball_radius"], prefix + "hyperball_radius", where, 0.0, low_open=True)
+    check_number(group["hyperball_eps"], prefix + "hyperball_eps", where, 0.0, low_open=True)
+    if group.get("weight_decay_form", "decoupled") != "decoupled":
+        detail = (
+            "muon_hyperball decays before it measures the radius, so weight_decay_form must be 'decoupled', "
+            f"got {group['weight_decay_form']!r}"
+        )
+        raise HparamError(f"{where}: {detail}", "weight_decay_form", detail)
+    return {}
+
+
+class MuonHyperball(MuonAlgorithm):
+    """``"muon_hyperball"``: Muon's update, normalized to the weight's radius, and the weight kept on it."""
+
+    name = "muon_hyperball"
+    hparams = HyperballHparams
+
+    def option_names(self) -> frozenset[str]:
+        return MUON.option_names() | super().option_names()
+
+    def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
+        return {**super().check(values, where, prefix), **check_hyperball(values, where, prefix)}
+
+    def group_defaults(self, config: OptimizerConfig) -> dict[str, Any]:
+        return {**super().group_defaults(config), **dataclasses.asdict(config.hparams_of(self.name))}
+
+    @torch.no_grad()
+    def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
+        super().init_group(group, params, where)
+        for j, p in enumerate(params):
+            if p.numel() and _whole_norm(p) == 0.0:
+                name = f" ({group['param_names'][j]!r})" if "param_names" in group else ""
+                raise ValueError(
+                    f"{where}, parameter {j}{name}: muon_hyperball keeps each weight's Frobenius norm, and this "
+                    f"one of shape {tuple(p.shape)} is all zeros (no direction to keep); initialize it, or route "
+                    "it to 'muon'"
+                )
+
+    def step_group(self, optimizer: Any, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
+        radius = group["hyperball_radius"]
+        if radius is not None:
+            # Onto the sphere before the first step: a parameter without state has not stepped yet
+            # (a resumed one has, and is on it already; rescaling it again would only round it).
+            for p in params:
+                if not optimizer.state[p]:
+                    p.mul_(radius / max(_whole_norm(p), group["hyperball_eps"]))
+        super().step_group(optimizer, group, params, grads)
+
+    def apply_update(self, optimizer: Any, group: dict, params: list[Tensor], ortho: list[list[Tensor]]) -> None:
+        lr, eps, radius = group["lr"], group["hyperball_eps"], group["hyperball_radius"]
+        if lr == 0.0:
+            return  # nothing moves (and no renormalization rounds a weight already on its sphere)
+        if group["weight_decay"] != 0.0:
+            torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
+        sharding = optimizer.sharding
+        local = sharding.local_shard if sharding is not None else (lambda t: t)
+        layout = group["split_sizes"], group["batched"], group["transposed"]
+        # (K, 3): ||W||^2, <W, O>, ||O||^2 over this rank's part of each parameter
+        parts = [_partial_sums(local(p.detach()), [local(o) for o in os], layout) for p, os in zip(params, ortho)]
+        sums = torch.stack(parts)
+        if sharding is not None:
+            sums = sharding.reduce_matrix_sums(params, sums)
+        for p, pieces, (ww, wo, oo) in zip(params, ortho, sums.tolist()):
+            R = radius if radius is not None else math.sqrt(ww)
+            c = lr * R / max(math.sqrt(oo), eps)  # W <- W - c O is W - lr (R O / max(||O||, eps))
+            new_norm = math.sqrt(max(ww - 2.0 * c * wo + c * c * oo, 0.0))
+            target = p if p.is_contiguous() else p.contiguous()  # channels_last convs: update a copy
+            for w, o in zip(matrix_slots(target, *layout), pieces):
+                w.add_(o.reshape(w.shape), alpha=-c)
+            target.mul_(R / max(new_norm, eps))
+            if target is not p:
+                p.copy_(target)
+
+
+def _partial_sums(w: Tensor, pieces: list[Tensor], layout: tuple) -> Tensor:
+    """``[||W||^2, <W, O>, ||O||^2]`` over this rank's part of a parameter, in float32 at least."""
+    work = torch.promote_types(w.dtype, torch.float32)
+    w = w.contiguous()
+    ww = torch.linalg.vector_norm(w, dtype=work).square()
+    wo = torch.zeros((), dtype=work, device=w.device)
+    oo = torch.zeros((), dtype=work, device=w.device)
+    for slot, o in zip(matrix_slots(w, *layout), pieces):
+        o = o.reshape(slot.shape).to(work)
+        wo += (slot.to(work) * o).sum()
+        oo += o.square().sum()
+    return torch.stack([ww, wo, oo]).to(torch.float64)
+
+
+def _whole_norm(p: Tensor) -> float:
+    """``||p||_F`` of the whole parameter (a DTensor's over every rank: a collective every rank makes)."""
+    norm = torch.linalg.vector_norm(p.detach(), dtype=torch.promote_types(p.dtype, torch.float32))
+    if isinstance(norm, DTensor):
+        norm = norm.full_tensor()
+    return float(norm)
+
+
+MUON_HYPERBALL = register_algorithm(MuonHyperball())

@@ -1,0 +1,71 @@
+"""Checkpoints saved by lightning_muon 0.1.0 load and resume: the state-dict format is a contract.
+
+``tests/data/legacy_checkpoint.pt`` was written by ``tests/data/make_legacy_checkpoint.py`` with
+the 0.1.0 optimizer (one class over six mixins). It holds the state after three steps of every
+kind of group and what two more steps gave then; today's optimizer must give the same numbers.
+"""
+
+from __future__ import annotations
+
+import copy
+import sys
+from pathlib import Path
+
+import pytest
+import torch
+from torch import nn
+
+DATA = Path(__file__).resolve().parent / "data"
+sys.path.insert(0, str(DATA))
+
+from make_legacy_checkpoint import SHAPES, build  # noqa: E402
+
+pytestmark = [pytest.mark.numerics, pytest.mark.policy_free]  # policy_free: see conftest.py
+
+
+def _load() -> dict:
+    return torch.load(DATA / "legacy_checkpoint.pt", weights_only=True)
+
+
+def _resume(saved: dict, optimizer_state: dict) -> tuple[dict[str, nn.Parameter], torch.optim.Optimizer]:
+    params = {n: nn.Parameter(saved["params"][n].clone()) for n in SHAPES}
+    opt = build(params)
+    opt.load_state_dict(optimizer_state)
+    for step in saved["grads"]:
+        for n, p in params.items():
+            p.grad = step[n].clone()
+        opt.step()
+    return params, opt
+
+
+def test_a_checkpoint_of_version_0_1_resumes_bit_for_bit():
+    saved = _load()
+    groups = saved["optimizer"]["param_groups"]
+    assert [g["algorithm"] for g in groups] == ["muon", "muon", "adamw", "lion", "adamw_schedulefree"]
+    params, opt = _resume(saved, saved["optimizer"])
+    for n, p in params.items():
+        assert torch.equal(p.detach(), saved["after"][n]), n
+    state = opt.state_dict()["state"]
+    assert set(state) == set(saved["state_after"])
+    for i, entries in saved["state_after"].items():
+        assert set(state[i]) == set(entries), i  # the same state keys per parameter
+        for key, value in entries.items():
+            assert torch.equal(torch.as_tensor(state[i][key]), torch.as_tensor(value)), (i, key)
+    # The group keys of 0.1.0 are all still there, with the values they had then.
+    for old, new in zip(saved["groups_after"], opt.state_dict()["param_groups"]):
+        assert {k: new[k] for k in old} == old
+
+
+def test_a_checkpoint_older_than_a_knob_takes_its_default():
+    """Groups saved before a knob existed (here: tp_mode, ns_method, sign_momentum) get its default."""
+    saved = _load()
+    older = copy.deepcopy(saved["optimizer"])
+    for group in older["param_groups"]:
+        if group["algorithm"] == "muon":
+            for key in ("tp_mode", "ns_method", "sign_momentum"):
+                del group[key]
+    params, opt = _resume(saved, older)
+    for n, p in params.items():
+        assert torch.equal(p.detach(), saved["after"][n]), n
+    muon_groups = [g for g in opt.param_groups if g["algorithm"] == "muon"]
+    assert {(g["tp_mode"], g["ns_method"], g["sign_momentum"]) for g in muon_groups} == {("duplicated", "auto", False)}
