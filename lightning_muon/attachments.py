@@ -1,4 +1,4 @@
-"""What attaches to a ``Muon`` optimizer from outside: a sharding across ranks, and update hooks."""
+"""What attaches to a ``Muon`` optimizer from outside: a sharding across ranks, update hooks, a router."""
 
 from __future__ import annotations
 
@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.utils.hooks import RemovableHandle
 
 if TYPE_CHECKING:
+    from lightning_muon.added_groups import Router
     from lightning_muon.distributed.protocol import Sharding
 
 __all__ = ["Attachments", "UpdateHook"]
@@ -19,11 +20,25 @@ UpdateHook = Callable[[dict, list, list, list], None]
 
 
 class Attachments:
-    """``Muon``'s sharding (``attach_sharding``) and update hooks (``register_update_hook``), as a mixin."""
+    """``Muon``'s sharding (``attach_sharding``), update hooks (``register_update_hook``) and router, as a mixin."""
 
     def _init_attachments(self) -> None:
         self._sharding: Sharding | None = None
         self._update_hooks: OrderedDict[int, UpdateHook] = OrderedDict()
+        self._router: Router | None = None
+
+    @property
+    def router(self) -> Router | None:
+        """Where ``add_param_group`` sends the tensors of a group given without an algorithm; None: the flat rule."""
+        return self._router
+
+    def attach_router(self, router: Router | None) -> None:
+        """Route groups added without an ``"algorithm"`` by ``router`` (``added_groups``); None: the flat rule.
+
+        ``configure_muon_optimizers`` attaches an ``added_groups.ModuleRouter``, so that a
+        backbone unfrozen later (``BackboneFinetuning``) is routed by the config's rules.
+        """
+        self._router = router
 
     @property
     def sharding(self) -> Sharding | None:

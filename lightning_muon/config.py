@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from torch import nn
 
+from lightning_muon.added_groups import ModuleRouter
 from lightning_muon.hparams import (
     SCHEDULE_FREE,
     AdamWHparams,
@@ -222,6 +223,7 @@ class MuonConfig:
         does not set it (``configure_muon_optimizers`` takes the trainer's estimate).
         """
         optimizer = self.optimizer.build(self.routing.build(module))
+        optimizer.attach_router(ModuleRouter(module, self.routing))  # groups added later are routed alike
         total = self.total_steps if total_steps is None else total_steps
         return optimizer, MuonScheduler(optimizer, self.schedule.build(total), self.schedule.momentum_warmup)
 

@@ -17,6 +17,7 @@ import torch
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
+from lightning_muon.added_groups import ModuleRouter
 from lightning_muon.callbacks.schedule_free import ScheduleFreeModeSwitch, save_in_eval_mode
 from lightning_muon.config import MuonConfig
 from lightning_muon.hparams import ALGORITHMS
@@ -59,12 +60,14 @@ def configure_muon_optimizers(module: nn.Module, config: MuonConfig | dict[str, 
 
     Returns Lightning's optimizer config: ``{"optimizer": Muon, "lr_scheduler": {"scheduler":
     MuonScheduler, "interval": "step", "frequency": 1, "name": "muon"}}``. The routing report
-    is logged on rank zero.
+    is logged on rank zero. Groups added later without an ``"algorithm"`` (``BackboneFinetuning``
+    unfreezing a backbone) are routed by the same rules (``added_groups.ModuleRouter``).
     """
     config = MuonConfig.from_any(config)
     groups = config.routing.build(module)
     rank_zero_info(groups.report())
     optimizer = config.optimizer.build(groups)
+    optimizer.attach_router(ModuleRouter(module, config.routing))  # a backbone unfrozen later is routed alike
     schedule = config.schedule.build(_total_steps(config, module))
     scheduler = MuonScheduler(optimizer, schedule, config.schedule.momentum_warmup)
     return {

@@ -9,6 +9,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_muon.added_groups import split_added_group
 from lightning_muon.attachments import Attachments, UpdateHook
 from lightning_muon.checkpoint_routing import RoutingChecks
 from lightning_muon.elementwise import ElementwiseGroups
@@ -71,7 +72,9 @@ class Muon(Attachments, NonFiniteChecks, ScheduleFreeGroups, RoutingChecks, Muon
     this optimizer's groups and state (``schedule_free``): ``train()`` and ``eval()`` switch
     their parameters between the training and the averaged weights. Param groups are made
     from what ``params`` holds as ``param_groups.as_groups`` says (a flat list: matrices to
-    Muon, the rest to AdamW); a sharding (``attach_sharding``) splits the Newton-Schulz
+    Muon, the rest to AdamW); a group given without an ``"algorithm"``, here or later by
+    ``add_param_group`` (``BackboneFinetuning``), is routed and split by algorithm
+    (``added_groups``, by the rules of ``attach_router``); a sharding (``attach_sharding``) splits the Newton-Schulz
     work across ranks, and ``register_update_hook`` observes the applied updates.
 
     Args:
@@ -163,6 +166,11 @@ class Muon(Attachments, NonFiniteChecks, ScheduleFreeGroups, RoutingChecks, Muon
         return option_names(algorithm)
 
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; one without an ``"algorithm"`` is routed, and split by algorithm (``added_groups``)."""
+        if param_group.get("algorithm") is None:
+            for part in split_added_group(param_group, self.param_groups, self._algorithm_defaults, self._router):
+                self.add_param_group(part)
+            return
         group = dict(param_group)
         params = group["params"]
         params = [params] if isinstance(params, Tensor) else list(params)
