@@ -227,6 +227,36 @@ class MuonConfig:
         total = self.total_steps if total_steps is None else total_steps
         return optimizer, MuonScheduler(optimizer, self.schedule.build(total), self.schedule.momentum_warmup)
 
+    def with_lr(self, lr: float) -> MuonConfig:
+        """A copy whose Muon lr is ``lr`` and whose every other lr moves by the same factor, ``lr / self.lr``.
+
+        ``adamw_lr``, ``lion_lr`` and ``adamw_schedulefree_lr`` (``None`` keeps following
+        ``adamw_lr``) and the rules' ``lr`` options keep their ratio to the Muon lr: this is
+        how the lr finder's suggestion, a Muon lr, becomes a config (``MuonModuleMixin.lr``).
+
+        Raises:
+            ValueError: the Muon lr is 0 (no ratio to keep), or ``lr`` is not a valid lr.
+        """
+        if self.lr == 0:
+            raise ValueError("MuonConfig.with_lr: the Muon lr is 0, so the other lrs have no ratio to it to keep")
+        factor = lr / self.lr
+
+        def scaled(value: float | None) -> float | None:
+            return None if value is None else value * factor
+
+        rules = [
+            dataclasses.replace(r, options={**r.options, "lr": r.options["lr"] * factor}) if "lr" in r.options else r
+            for r in self.rules
+        ]
+        return dataclasses.replace(
+            self,
+            lr=lr,
+            adamw_lr=self.adamw_lr * factor,
+            lion_lr=scaled(self.lion_lr),
+            adamw_schedulefree_lr=scaled(self.adamw_schedulefree_lr),
+            rules=rules,
+        )
+
     # ------------------------------------------------------------------ views kept for callers
 
     def optimizer_kwargs(self) -> dict[str, Any]:
