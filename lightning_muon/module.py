@@ -14,10 +14,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_muon.added_groups import ModuleRouter
+from lightning_muon.callbacks.finetuning import UnfreezeOnResume
+from lightning_muon.callbacks.progress import replaces_default_bar
 from lightning_muon.callbacks.schedule_free import ScheduleFreeModeSwitch, save_in_eval_mode
 from lightning_muon.config import MuonConfig
 from lightning_muon.hparams import ALGORITHMS
@@ -86,7 +89,10 @@ class MuonModuleMixin:
     When the config routes parameters to ``"adamw_schedulefree"``, ``configure_callbacks``
     adds ``ScheduleFreeModeSwitch`` (validation, test and checkpoints at the averaged
     weights, training at the training ones) and ``on_save_checkpoint`` does the same for
-    weights-only checkpoints.
+    weights-only checkpoints. When ``max_steps`` is set, it puts ``MaxStepsProgressBar`` in
+    place of Lightning's default ``RichProgressBar`` (which would read ``Epoch 0/-2``), and with a
+    ``BaseFinetuning`` it adds ``UnfreezeOnResume`` (a backbone unfrozen before a checkpoint
+    trains again after a resume).
 
     Lightning's tools that set one lr for every group (the lr finder, SWA's ``swa_lrs``) see
     it read as the Muon lr, each group taking its configured share (``on_before_optimizer_step``,
@@ -199,6 +205,12 @@ class MuonModuleMixin:
         callbacks = list(parent() or []) if parent is not None else []
         if self.resolve_muon_config().uses_schedule_free:
             callbacks.append(ScheduleFreeModeSwitch())
+        trainer = getattr(self, "_trainer", None)
+        bar = replaces_default_bar(trainer)
+        if bar is not None:  # max_steps: Rich's bar would read "Epoch 0/-2"
+            callbacks.append(bar)
+        if trainer is not None and any(isinstance(c, BaseFinetuning) for c in trainer.callbacks):
+            callbacks.append(UnfreezeOnResume())  # lightning 2.6 resumes it with the backbone frozen
         return callbacks
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:
