@@ -1,4 +1,4 @@
-"""``python -m lightning_muon fit --config configs/muon.yaml``."""
+"""``python -m lightning_muon fit --config muon`` (a bundled config by name, or any file)."""
 
 from lightning_muon.cli import main
 

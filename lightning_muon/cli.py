@@ -1,4 +1,8 @@
-"""LightningCLI entry point: ``python -m lightning_muon fit --config configs/muon.yaml``.
+"""LightningCLI entry point: ``python -m lightning_muon fit --config muon``.
+
+``--config`` takes a file, a config string, or the name of a config shipped with the
+package (``muon``, ``adamw``, ``muon_ddp``, ``muon_fsdp``, ``muon_schedulefree``: the files of
+the repository's ``configs/``, installed with the wheel; see ``bundled_configs``).
 
 Any LightningModule or LightningDataModule is taken by ``class_path``; there is no default
 model (``python -m lightning_muon_demo fit`` is this CLI with the demo model as default).
@@ -10,8 +14,8 @@ Which data a model gets:
 - ``--data`` (or the config's ``data:``) names a datamodule: the model trains on it,
   except that a demo datamodule (one registered with :func:`register_demo_data` for its
   model, such as the demo's ``CharTextDataModule``) is not given to another model that
-  has its own loader for the subcommand (``train_dataloader`` for ``fit``): the configs
-  in ``configs/`` name it for the demo model, and a datamodule would win over your
+  has its own loader for the subcommand (``train_dataloader`` for ``fit``): the bundled
+  configs name it for the demo model, and a datamodule would win over your
   loaders. A note on stderr says so.
 - No datamodule (``--data=null``, or a config without ``data:``): a model with a
   registered demo datamodule gets it with its defaults; any other model uses its own
@@ -27,15 +31,18 @@ import importlib
 import inspect
 import os
 import sys
+from argparse import ArgumentError
 from typing import Any, NoReturn
 
 import lightning.pytorch as pl
-from jsonargparse import Namespace
+from jsonargparse import ActionConfigFile, Namespace
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-__all__ = ["MuonCLI", "MuonSaveConfigCallback", "main", "register_demo_data"]
+from lightning_muon.bundled_configs import bundled_configs, find_config
+
+__all__ = ["BundledConfigFile", "MuonCLI", "MuonSaveConfigCallback", "main", "register_demo_data"]
 
 PROG = "python -m lightning_muon"
 
@@ -186,6 +193,20 @@ class MuonArgumentParser(LightningArgumentParser):
         self.exit(2)
 
 
+class BundledConfigFile(ActionConfigFile):
+    """``--config``: a file, a config string, or the name of a config shipped with the package (``--config muon``).
+
+    A path that exists wins over a bundled name (``bundled_configs.find_config``).
+    """
+
+    def __call__(self, parser: Any, cfg: Any, values: Any, option_string: str | None = None) -> None:
+        try:
+            values = find_config(values)
+        except ValueError as err:
+            raise ArgumentError(self, str(err)) from None
+        super().__call__(parser, cfg, values, option_string)
+
+
 class MuonSaveConfigCallback(SaveConfigCallback):
     """Saves the run's config to the log directory without writing over the user's files.
 
@@ -265,8 +286,17 @@ class MuonCLI(LightningCLI):
         super().__init__(*args, **kwargs)
 
     def init_parser(self, **kwargs: Any) -> LightningArgumentParser:
+        # LightningCLI.init_parser, with --config taking a bundled config's name too.
         kwargs.setdefault("dump_header", [DUMP_HEADER, f"lightning.pytorch=={pl.__version__}"])
-        return super().init_parser(**kwargs)
+        parser = self.parser_class(**kwargs)
+        names = ", ".join(bundled_configs())
+        parser.add_argument(
+            "-c",
+            "--config",
+            action=BundledConfigFile,
+            help=f"A YAML or JSON file, a config string, or the name of a bundled config: {names}.",
+        )
+        return parser
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         if self.default_model is not None:

@@ -16,6 +16,7 @@ from typing import Any, Literal
 
 from torch import nn
 
+from lightning_muon.added_groups import ModuleRouter
 from lightning_muon.algorithms import (
     SCHEDULE_FREE,
     AdamWHparams,
@@ -23,11 +24,12 @@ from lightning_muon.algorithms import (
     LionHparams,
     MuonHparams,
     ScheduleFreeHparams,
+    get_algorithm,
     get_algorithm_of_kind,
 )
 from lightning_muon.algorithms.adamw_schedulefree import schedulefree
 from lightning_muon.algorithms.muon import AdjustLR, CoefficientName, NSDtype
-from lightning_muon.hparams import NonFinite, OptimizerConfig
+from lightning_muon.hparams import BUILTIN_HPARAMS, NonFinite, OptimizerConfig
 from lightning_muon.megatron import MEGATRON_COEFFICIENTS, QKV_NAMES, map_megatron_names, split_rules
 from lightning_muon.muon import Muon
 from lightning_muon.routing import DEFAULT_HEAD_NAMES, RoutingConfig, Rule
@@ -225,8 +227,61 @@ class MuonConfig:
         does not set it (``configure_muon_optimizers`` takes the trainer's estimate).
         """
         optimizer = Muon.from_config(self.routing.build(module), self.optimizer)
+        optimizer.attach_router(ModuleRouter(module, self.routing))  # groups added later are routed alike
         total = self.total_steps if total_steps is None else total_steps
         return optimizer, MuonScheduler(optimizer, self.schedule.build(total), self.schedule.momentum_warmup)
+
+    def with_lr(self, lr: float) -> MuonConfig:
+        """A copy whose Muon lr is ``lr`` and whose every other lr moves by the same factor, ``lr / self.lr``.
+
+        ``adamw_lr``, ``lion_lr`` and ``adamw_schedulefree_lr`` (``None`` keeps following
+        ``adamw_lr``), the rules' ``lr`` options and the lr of every other registered algorithm
+        this config names (in ``algorithm_defaults``, a rule, ``matrix_optimizer`` or
+        ``scalar_optimizer``) whose hyperparameters have one keep their ratio to the Muon lr:
+        this is how the lr finder's suggestion, a Muon lr, becomes a config
+        (``MuonModuleMixin.lr``). Variants of Muon without an lr of their own
+        (``muon_hyperball``) follow ``lr``.
+
+        Raises:
+            ValueError: the Muon lr is 0 (no ratio to keep), or ``lr`` is not a valid lr.
+        """
+        if self.lr == 0:
+            raise ValueError("MuonConfig.with_lr: the Muon lr is 0, so the other lrs have no ratio to it to keep")
+        factor = lr / self.lr
+
+        def scaled(value: float | None) -> float | None:
+            return None if value is None else value * factor
+
+        rules = [
+            dataclasses.replace(r, options={**r.options, "lr": r.options["lr"] * factor}) if "lr" in r.options else r
+            for r in self.rules
+        ]
+        return dataclasses.replace(
+            self,
+            lr=lr,
+            adamw_lr=self.adamw_lr * factor,
+            lion_lr=scaled(self.lion_lr),
+            adamw_schedulefree_lr=scaled(self.adamw_schedulefree_lr),
+            rules=rules,
+            algorithm_defaults={**self.algorithm_defaults, **self._scaled_algorithm_lrs(factor)},
+        )
+
+    def _scaled_algorithm_lrs(self, factor: float) -> dict[str, dict[str, Any]]:
+        """``algorithm_defaults`` entries whose ``lr`` is ``factor`` times the current one (``with_lr``)."""
+        named = [
+            *self.algorithm_defaults,
+            *(r.algorithm for r in self.rules),
+            self.matrix_optimizer,
+            self.scalar_optimizer,
+        ]
+        out = {}
+        for name in dict.fromkeys(get_algorithm(n).name for n in named):  # an import path: its registered name
+            if name in BUILTIN_HPARAMS:
+                continue  # their lrs are this config's own fields
+            values = dataclasses.asdict(self.optimizer.hparams_of(name))
+            if "lr" in values:
+                out[name] = {**values, "lr": values["lr"] * factor}
+        return out
 
     # ------------------------------------------------------------------ views kept for callers
 

@@ -14,13 +14,18 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
+from lightning_muon.added_groups import ModuleRouter
 from lightning_muon.algorithms import algorithm_names
+from lightning_muon.callbacks.finetuning import UnfreezeOnResume
+from lightning_muon.callbacks.progress import replaces_default_bar
 from lightning_muon.callbacks.schedule_free import ScheduleFreeModeSwitch, save_in_eval_mode
 from lightning_muon.config import MuonConfig
 from lightning_muon.muon import Muon
+from lightning_muon.one_lr import apply_one_lr, reapply_schedule, retune_running_schedule
 from lightning_muon.param_groups import as_groups
 from lightning_muon.routing import Rule
 from lightning_muon.schedules import MuonScheduler
@@ -59,12 +64,14 @@ def configure_muon_optimizers(module: nn.Module, config: MuonConfig | dict[str, 
 
     Returns Lightning's optimizer config: ``{"optimizer": Muon, "lr_scheduler": {"scheduler":
     MuonScheduler, "interval": "step", "frequency": 1, "name": "muon"}}``. The routing report
-    is logged on rank zero.
+    is logged on rank zero. Groups added later without an ``"algorithm"`` (``BackboneFinetuning``
+    unfreezing a backbone) are routed by the same rules (``added_groups.ModuleRouter``).
     """
     config = MuonConfig.from_any(config)
     groups = config.routing.build(module)
     rank_zero_info(groups.report())
     optimizer = Muon.from_config(groups, config.optimizer)
+    optimizer.attach_router(ModuleRouter(module, config.routing))  # a backbone unfrozen later is routed alike
     schedule = config.schedule.build(_total_steps(config, module))
     scheduler = MuonScheduler(optimizer, schedule, config.schedule.momentum_warmup)
     return {
@@ -82,7 +89,15 @@ class MuonModuleMixin:
     When the config routes parameters to ``"adamw_schedulefree"``, ``configure_callbacks``
     adds ``ScheduleFreeModeSwitch`` (validation, test and checkpoints at the averaged
     weights, training at the training ones) and ``on_save_checkpoint`` does the same for
-    weights-only checkpoints; a subclass overriding either calls ``super()``.
+    weights-only checkpoints. When ``max_steps`` is set, it puts ``MaxStepsProgressBar`` in
+    place of Lightning's default ``RichProgressBar`` (which would read ``Epoch 0/-2``), and with a
+    ``BaseFinetuning`` it adds ``UnfreezeOnResume`` (a backbone unfrozen before a checkpoint
+    trains again after a resume).
+
+    Lightning's tools that set one lr for every group (the lr finder, SWA's ``swa_lrs``) see
+    it read as the Muon lr, each group taking its configured share (``on_before_optimizer_step``,
+    ``one_lr``), and the lr finder tunes ``lr``, the config's Muon lr. A subclass overriding
+    ``configure_callbacks``, ``on_save_checkpoint`` or ``on_before_optimizer_step`` calls ``super()``.
 
     Example::
 
@@ -115,8 +130,62 @@ class MuonModuleMixin:
                 return MuonConfig.from_any(hparams[key])
         return MuonConfig()
 
+    @property
+    def lr(self) -> float:
+        """The Muon lr of this module's config (``MuonConfig.lr``): the lr Lightning's lr finder tunes.
+
+        ``Tuner.lr_find`` and ``LearningRateFinder`` look for an attribute ``lr``; during their
+        sweep every group takes its configured share of the swept lr (``one_lr``), so the
+        suggestion is a Muon lr. Setting ``lr`` (the finder does with ``update_attr=True``)
+        makes the config ``MuonConfig.with_lr(lr)``: every other lr moves by the same factor.
+        The new config goes where it was read from (``muon_config``, else the hparams, where
+        checkpoints keep it), and a fit in progress goes on at the new lrs from its next step.
+        """
+        return self.resolve_muon_config().lr
+
+    @lr.setter
+    def lr(self, value: float) -> None:
+        config = self.resolve_muon_config()
+        tuned = config.with_lr(value)
+        self._keep_muon_config(tuned)
+        # LearningRateFinder as a callback: this fit goes on with its scheduler. Lightning
+        # then writes the suggestion into every group; the next step takes the schedule's lrs.
+        trainer = getattr(self, "_trainer", None)
+        if retune_running_schedule(trainer, value / config.lr) is not None:
+            self._lrs_from_schedule = True
+
+    def _keep_muon_config(self, config: MuonConfig) -> None:
+        """Put ``config`` where ``resolve_muon_config`` reads it (a dict stays a dict); by default the hparams."""
+        hparams = getattr(self, "hparams", None)
+        key = None
+        if self.muon_config is None and hparams is not None:
+            key = next((k for k in ("muon_config", "muon") if hparams.get(k) is not None), "muon_config")
+        old = self.muon_config if key is None else hparams.get(key)
+        if isinstance(old, dict):
+            before, after = MuonConfig.from_any(old).to_dict(), config.to_dict()
+            config = {**old, **{k: v for k, v in after.items() if v != before[k]}}
+        if key is None:
+            self.muon_config = config
+        else:
+            hparams[key] = config  # checkpoints keep the hparams
+
     def configure_optimizers(self) -> dict:
+        self._lrs_from_schedule = False
         return configure_muon_optimizers(self, self.resolve_muon_config())  # type: ignore[arg-type]
+
+    def on_before_optimizer_step(self, optimizer: torch.optim.Optimizer) -> None:
+        """Spreads a single lr that a Lightning tool set over the groups by their configured ratios (``one_lr``).
+
+        The lr finder's sweep and SWA with one ``swa_lrs`` value; after ``lr`` was set during a
+        fit, the schedule's lrs. A subclass overriding this hook calls ``super()``.
+        """
+        parent = getattr(super(), "on_before_optimizer_step", None)
+        if parent is not None:
+            parent(optimizer)
+        trainer = self.trainer  # type: ignore[attr-defined]
+        if self.__dict__.pop("_lrs_from_schedule", False):
+            reapply_schedule(trainer)
+        apply_one_lr(trainer, self.resolve_muon_config)
 
     def configure_gradient_clipping(
         self, optimizer: torch.optim.Optimizer, gradient_clip_val: float | None = None, gradient_clip_algorithm=None
@@ -136,6 +205,12 @@ class MuonModuleMixin:
         callbacks = list(parent() or []) if parent is not None else []
         if self.resolve_muon_config().uses_schedule_free:
             callbacks.append(ScheduleFreeModeSwitch())
+        trainer = getattr(self, "_trainer", None)
+        bar = replaces_default_bar(trainer)
+        if bar is not None:  # max_steps: Rich's bar would read "Epoch 0/-2"
+            callbacks.append(bar)
+        if trainer is not None and any(isinstance(c, BaseFinetuning) for c in trainer.callbacks):
+            callbacks.append(UnfreezeOnResume())  # lightning 2.6 resumes it with the backbone frozen
         return callbacks
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

@@ -10,6 +10,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from lightning_muon.added_groups import split_added_group
 from lightning_muon.algorithms import (
     SCHEDULE_FREE,
     AdamWHparams,
@@ -27,6 +28,7 @@ from lightning_muon.nonfinite import FiniteChecks
 from lightning_muon.param_groups import algorithm_of, as_groups, group_label, option_names, split_named_params
 
 if TYPE_CHECKING:
+    from lightning_muon.added_groups import Router
     from lightning_muon.distributed.protocol import Sharding
 
 __all__ = ["Muon", "UpdateHook"]
@@ -72,8 +74,11 @@ class Muon(Optimizer):
     this optimizer's groups and state: ``train()`` and ``eval()`` switch their parameters
     between the training and the averaged weights. Param groups are made from what
     ``params`` holds as ``param_groups.as_groups`` says (a flat list: matrices to Muon, the
-    rest to AdamW); a sharding (``attach_sharding``) splits the Newton-Schulz work across
-    ranks, and ``register_update_hook`` observes the applied updates.
+    rest to AdamW); a group given without an ``"algorithm"``, here or later by
+    ``add_param_group`` (``BackboneFinetuning``), is routed and split by algorithm
+    (``added_groups``, by the rules of ``attach_router``); a sharding (``attach_sharding``)
+    splits the Newton-Schulz work across ranks, and ``register_update_hook`` observes the
+    applied updates.
 
     Args:
         params: tensors, ``(name, tensor)`` pairs, or param-group dicts.
@@ -157,6 +162,7 @@ class Muon(Optimizer):
         self.nonfinite = config.nonfinite
         self._sharding: Sharding | None = None
         self._update_hooks = UpdateHooks()
+        self._router: Router | None = None
         self._finite = FiniteChecks(self)
         self._defaults: dict[str, dict[str, Any]] = {}  # per algorithm, made on first use
         # Only keys every group has live in ``defaults``: Optimizer copies them into each
@@ -176,7 +182,25 @@ class Muon(Optimizer):
             self._defaults[algorithm] = self.config.group_defaults(algorithm)
         return self._defaults[algorithm]
 
+    @property
+    def router(self) -> Router | None:
+        """Where ``add_param_group`` sends the tensors of a group given without an algorithm; None: the flat rule."""
+        return self._router
+
+    def attach_router(self, router: Router | None) -> None:
+        """Route groups added without an ``"algorithm"`` by ``router`` (``added_groups``); None: the flat rule.
+
+        ``configure_muon_optimizers`` attaches an ``added_groups.ModuleRouter``, so that a
+        backbone unfrozen later (``BackboneFinetuning``) is routed by the config's rules.
+        """
+        self._router = router
+
     def add_param_group(self, param_group: dict[str, Any]) -> None:
+        """Add a group; one without an ``"algorithm"`` is routed, and split by algorithm (``added_groups``)."""
+        if param_group.get("algorithm") is None:
+            for part in split_added_group(param_group, self.param_groups, self.group_defaults, self._router):
+                self.add_param_group(part)
+            return
         group, params = split_named_params(param_group)
         where = group_label(len(self.param_groups), group)
         algorithm = get_algorithm(algorithm_of(group, params, where))

@@ -246,7 +246,9 @@ class MuonScheduler(LRScheduler):
     """Drives every group's lr by one ``LRSchedule`` and Muon groups' momentum by a warmup.
 
     Schedule-Free groups follow the schedule's warmup and then keep their base lr: no
-    stable phase or falloff reaches them.
+    stable phase or falloff reaches them. Groups added to the optimizer after the scheduler
+    was made (``BackboneFinetuning`` unfreezing a backbone) keep the lr they were given, as
+    with torch's schedulers: the code that added them moves it.
 
     Its state (the step, base lrs and momenta, and the schedule itself) is made of
     plain numbers, so it survives ``torch.load(weights_only=True)`` in checkpoints.
@@ -270,7 +272,10 @@ class MuonScheduler(LRScheduler):
         factor = lr_multiplier(self.last_epoch, self.schedule)
         warmup = replace(self.schedule, falloff="constant", stable_steps=0)
         warmup_factor = lr_multiplier(self.last_epoch, warmup)
-        return [base * (warmup_factor if only else factor) for base, only in zip(self.base_lrs, self.warmup_only)]
+        lrs = [base * (warmup_factor if only else factor) for base, only in zip(self.base_lrs, self.warmup_only)]
+        # Groups added since the scheduler was made keep their lr: whoever added them moves it
+        # (BackboneFinetuning does, each epoch, for the backbone it unfroze).
+        return lrs + [group["lr"] for group in self.optimizer.param_groups[len(lrs) :]]
 
     def step(self, epoch: int | None = None) -> None:
         super().step(epoch)

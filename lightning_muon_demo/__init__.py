@@ -8,7 +8,7 @@ never imports this package; it uses only the library's public API.
 
 Importing it registers ``CharTextDataModule`` as the demo data of ``CharGPTModule`` with the
 CLI (``lightning_muon.cli.register_demo_data``), so that ``python -m lightning_muon fit
---config configs/muon.yaml`` gives the demo model its data and keeps it from a model of
+--config muon`` gives the demo model its data and keeps it from a model of
 yours that has its own loaders.
 """
 

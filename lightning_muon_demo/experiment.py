@@ -34,6 +34,7 @@ __all__ = [
     "OPTIMIZERS",
     "RunSpec",
     "ValLossRecorder",
+    "build_run",
     "machine_name",
     "muon_config_for",
     "plot_curves",
@@ -162,20 +163,8 @@ class ValLossRecorder(Callback):
         self.val_loss.append(float(trainer.callback_metrics["val_loss"]))
 
 
-def train(
-    spec: RunSpec,
-    *,
-    progress_bar: bool = False,
-    callbacks: Sequence[Callback] = (),
-    logger: Any = False,
-    root_dir: str | Path | None = None,
-    device: str | torch.device = "cpu",
-) -> dict[str, Any]:
-    """Train ``spec`` and return ``{"spec", "label", "steps", "val_loss", "seconds"}``.
-
-    ``device``: ``"cpu"`` or ``"cuda[:i]"`` (one GPU).
-    """
-    device = torch.device(device)
+def build_run(spec: RunSpec) -> tuple[CharGPTModule, CharTextDataModule]:
+    """The module and data of ``spec``, the model initialised at ``spec.seed`` (``train`` fits them)."""
     pl.seed_everything(spec.seed, verbose=False)
     module = CharGPTModule(
         block_size=spec.block_size,
@@ -192,6 +181,24 @@ def train(
         train_samples_per_epoch=spec.steps * spec.batch_size,
         seed=spec.seed,
     )
+    return module, data
+
+
+def train(
+    spec: RunSpec,
+    *,
+    progress_bar: bool = False,
+    callbacks: Sequence[Callback] = (),
+    logger: Any = False,
+    root_dir: str | Path | None = None,
+    device: str | torch.device = "cpu",
+) -> dict[str, Any]:
+    """Train ``spec`` and return ``{"spec", "label", "steps", "val_loss", "seconds"}``.
+
+    ``device``: ``"cpu"`` or ``"cuda[:i]"`` (one GPU).
+    """
+    device = torch.device(device)
+    module, data = build_run(spec)
     recorder = ValLossRecorder()
     trainer = pl.Trainer(
         accelerator=device.type,

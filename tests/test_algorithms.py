@@ -245,3 +245,17 @@ def test_the_cli_trains_with_an_algorithm_a_yaml_names_by_import_path(tmp_path):
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert _routing_table(output) == {"signum": ("signum", 1), "signum_no_decay": ("signum", 3), "muon": ("muon", 2)}
+
+
+def test_with_lr_moves_a_registered_algorithms_own_lr_and_leaves_hyperball_on_muons(signum):
+    # The lr finder's suggestion becomes a config by MuonConfig.with_lr: an algorithm with an
+    # lr of its own keeps its ratio to the Muon lr, whether a rule names it or its defaults do.
+    by_rule = MuonConfig(lr=0.02, rules=[Rule(name="signs", algorithm="user_algorithm.Signum", names="*.bias")])
+    assert by_rule.with_lr(0.04).optimizer.group_defaults("signum")["lr"] == pytest.approx(2e-3, rel=1e-15)
+    given = MuonConfig(lr=0.02, scalar_optimizer="signum", algorithm_defaults={"signum": {"lr": 5e-4, "beta": 0.8}})
+    tuned = given.with_lr(0.01)
+    assert tuned.algorithm_defaults["signum"] == {"lr": 2.5e-4, "beta": 0.8, "weight_decay": 0.0}
+    assert given.algorithm_defaults["signum"]["lr"] == 5e-4  # the original untouched
+    hyperball = MuonConfig(lr=0.02, matrix_optimizer="muon_hyperball").with_lr(0.01)
+    assert "muon_hyperball" not in hyperball.algorithm_defaults  # no lr of its own: it steps at Muon's
+    assert hyperball.optimizer.group_defaults("muon_hyperball")["lr"] == 0.01

@@ -1,4 +1,4 @@
-"""``python -m lightning_muon fit --config configs/<name>.yaml`` in a subprocess, shrunk to a few steps."""
+"""``python -m lightning_muon fit --config <name>`` (or ``configs/<name>.yaml``) in a subprocess, a few steps."""
 
 from __future__ import annotations
 
@@ -51,7 +51,9 @@ def _cli(cwd: Path, *args: str, pythonpath: Path | None = None) -> subprocess.Co
 
 
 def _fit(tmp_path: Path, config: str, *extra: str, pythonpath: Path | None = None) -> str:
-    args = ["fit", f"--config={ROOT / 'configs' / config}", *TINY, *extra, f"--trainer.default_root_dir={tmp_path}"]
+    # "muon.yaml": the file of configs/ by path; "muon": the bundled config by name, as from the wheel.
+    where = ROOT / "configs" / config if config.endswith(".yaml") else config
+    args = ["fit", f"--config={where}", *TINY, *extra, f"--trainer.default_root_dir={tmp_path}"]
     proc = _cli(tmp_path, *args, pythonpath=pythonpath)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
@@ -89,7 +91,7 @@ JSONARGPARSE_DEPRECATION = "ignore:(?s).*(instantiate_classes.. was deprecated|J
 
 @pytest.mark.filterwarnings(f"{JSONARGPARSE_DEPRECATION}:DeprecationWarning")
 def test_cli_fits_configs_muon_yaml(tmp_path):
-    output = _fit(tmp_path, "muon.yaml", *TINY_CHARGPT)
+    output = _fit(tmp_path, "muon", *TINY_CHARGPT)  # by its short name (tests/test_packaging.py: from the wheel)
     # qkv, proj, fc1, fc2 on Muon; two embeddings and lm_head on AdamW; 2 LNs x 2 + 4 biases + ln_f x 2.
     assert _routing_table(output) == {"adamw": ("adamw", 3), "adamw_no_decay": ("adamw", 10), "muon": ("muon", 4)}
     checkpoint = _checkpoint(tmp_path)
@@ -274,8 +276,13 @@ def test_cli_never_writes_over_its_input_config(tmp_path):
         ),
         # jsonargparse's own words: "Option 'x' is not accepted" (4.42 on), "Key 'x' is not expected" (4.41).
         ("--model.init_args.learning_rate=0.1", re.compile(r"'learning_rate' is not (accepted|expected)")),
+        (
+            "--config=mun",
+            "error: argument -c/--config: 'mun' is neither a file nor a bundled config "
+            "(bundled: adamw, muon, muon_ddp, muon_fsdp, muon_schedulefree)",
+        ),
     ],
-    ids=["bad_value", "typo"],
+    ids=["bad_value", "typo", "unknown_config"],
 )
 def test_cli_bad_input_is_reported_first_without_tracebacks(tmp_path, bad, expect):
     proc = _cli(tmp_path, "fit", "--config", str(ROOT / "configs" / "muon.yaml"), *QUICK, bad)

@@ -215,3 +215,18 @@ def test_config_variant_fields_reach_the_optimizer():
     group = opt.param_groups[0]
     assert {k: group[k] for k in all_on} == all_on
     assert group["sign_momentum"] is True and group["second_moment_beta2"] == 0.8
+
+
+def test_with_lr_moves_every_lr_by_the_muon_lrs_factor():
+    rule = Rule(name="first", algorithm="muon", names="fc1.weight", options={"lr": 0.01, "weight_decay": 0.1})
+    config = MuonConfig(lr=0.02, adamw_lr=3e-4, lion_lr=1e-4, rules=[rule], momentum=0.9)
+    tuned = config.with_lr(0.05)
+    assert (tuned.lr, tuned.lion_lr, tuned.adamw_schedulefree_lr) == (0.05, 1e-4 * 2.5, None)  # None: AdamW's
+    assert tuned.adamw_lr == pytest.approx(3e-4 * 2.5, rel=1e-15)
+    assert tuned.rules[0].options == {"lr": 0.01 * 2.5, "weight_decay": 0.1}
+    assert tuned.momentum == 0.9 and config.lr == 0.02  # everything else kept; the original untouched
+    with pytest.raises(ValueError, match=r"MuonConfig\.lr: .*lr must be a finite number"):
+        config.with_lr(-1.0)
+    with pytest.raises(ValueError, match=r"MuonConfig.with_lr: the Muon lr is 0"):
+        MuonConfig(lr=0.0).with_lr(0.01)
+

@@ -327,16 +327,16 @@ def test_group_without_algorithm_is_inferred():
     assert opt.param_groups[-1]["algorithm"] == "muon" and opt.param_groups[-1]["momentum"] == 0.8
 
 
-def test_group_mixing_matrices_and_vectors_without_algorithm_raises():
-    """A dict mixing 2-D and 1-D tensors must say which algorithm it wants."""
+def test_group_mixing_matrices_and_vectors_without_algorithm_is_split_by_rule():
+    """A dict mixing 2-D and 1-D tensors becomes one group per algorithm (tests/test_added_groups.py has the rule)."""
     model = Tiny()
-    with pytest.raises(ValueError, match=r"param group 1 \('mixed'\): mixes matrices and 1-D tensors"):
-        Muon(
-            [
-                {"params": [model.fc2.weight]},
-                {"params": [model.fc1.weight, model.fc1.bias], "name": "mixed"},
-            ]
-        )
+    opt = Muon([{"params": [model.fc2.weight]}, {"params": [model.fc1.weight, model.fc1.bias], "name": "mixed"}])
+    assert [(g.get("name"), g["algorithm"]) for g in opt.param_groups] == [
+        (None, "muon"),
+        ("mixed.adamw", "adamw"),
+        ("mixed.muon", "muon"),
+    ]
+    assert opt.param_groups[1]["params"] == [model.fc1.bias] and opt.param_groups[2]["params"] == [model.fc1.weight]
 
 
 def test_ns_dtype_is_stored_as_a_plain_name():

@@ -1,7 +1,8 @@
 """Lightning callbacks for Muon training."""
 
+from lightning_muon.callbacks.progress import MaxStepsProgressBar
 from lightning_muon.callbacks.qk_clip import QKClip
 from lightning_muon.callbacks.schedule_free import ScheduleFreeModeSwitch
 from lightning_muon.callbacks.spectrum import UpdateSpectrumMonitor
 
-__all__ = ["QKClip", "ScheduleFreeModeSwitch", "UpdateSpectrumMonitor"]
+__all__ = ["MaxStepsProgressBar", "QKClip", "ScheduleFreeModeSwitch", "UpdateSpectrumMonitor"]
