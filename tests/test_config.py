@@ -229,4 +229,3 @@ def test_with_lr_moves_every_lr_by_the_muon_lrs_factor():
         config.with_lr(-1.0)
     with pytest.raises(ValueError, match=r"MuonConfig.with_lr: the Muon lr is 0"):
         MuonConfig(lr=0.0).with_lr(0.01)
-
