@@ -47,25 +47,13 @@ def group_label(index: int, group: dict[str, Any]) -> str:
     return f"param group {index}" + (f" ({group['name']!r})" if "name" in group else "")
 
 
-def algorithm_of(group: dict[str, Any], params: list[Tensor], where: str) -> str:
-    """The group's ``"algorithm"``, or the one its tensors imply; raises on a bad or ambiguous one."""
-    algorithm = group.get("algorithm")
-    if algorithm is None:
-        is_matrix = [p.ndim >= 2 for p in params]
-        if all(is_matrix) and params:
-            algorithm = "muon"
-        elif not any(is_matrix):
-            algorithm = "adamw"
-        else:
-            raise ValueError(
-                f"{where}: mixes matrices and 1-D tensors without an 'algorithm'; "
-                "set 'algorithm' or pass a flat parameter list to split them by rule"
-            )
+def algorithm_of(group: dict[str, Any], where: str) -> str:
+    """The group's ``"algorithm"``, checked to be registered (a group without one was split by route already)."""
     try:
-        get_algorithm(algorithm)
+        get_algorithm(group["algorithm"])
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
-    return algorithm
+    return group["algorithm"]
 
 
 def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
