@@ -89,8 +89,8 @@ def test_megatron_names_read_from_yaml():
     assert (kw["extra_scale_factor"], kw["second_moment"], kw["weight_decay_form"]) == (0.2, "normuon", "cautious")
     assert config.qkv_split_shapes == (64, 16, 16) and len(config.qkv_rules()) == 2
     for name, steps in (("cans", 5), ("deepseekv4", 10)):  # Emerging-Optimizers 0.3.0's newest types
-        parsed = parser.instantiate(
-            parser.parse_string(f"muon:\n  coefficient_type: {name}\n  num_ns_steps: {steps}\n")
+        parsed = instantiate(
+            parser, parser.parse_string(f"muon:\n  coefficient_type: {name}\n  num_ns_steps: {steps}\n")
         )
         assert (parsed.muon.ns_coefficients, parsed.muon.ns_steps) == (name, steps)
     with pytest.raises(jsonargparse.ArgumentError, match="coefficient_type"):  # refused while parsing
