@@ -203,7 +203,7 @@ class Muon(Optimizer):
             return
         group, params = split_named_params(param_group)
         where = group_label(len(self.param_groups), group)
-        algorithm = get_algorithm(algorithm_of(group, where))
+        algorithm = algorithm_of(group, where)
         group["algorithm"] = algorithm.name
         defaults = self.group_defaults(algorithm.name)
         overrides = [key for key in defaults if key in group]

@@ -15,7 +15,7 @@ from typing import Any
 
 from torch import Tensor
 
-from lightning_muon.algorithms import get_algorithm
+from lightning_muon.algorithms import Algorithm, get_algorithm
 
 __all__ = ["algorithm_of", "as_groups", "group_label", "option_names", "split_named_params"]
 
@@ -47,13 +47,12 @@ def group_label(index: int, group: dict[str, Any]) -> str:
     return f"param group {index}" + (f" ({group['name']!r})" if "name" in group else "")
 
 
-def algorithm_of(group: dict[str, Any], where: str) -> str:
-    """The group's ``"algorithm"``, checked to be registered (a group without one was split by route already)."""
+def algorithm_of(group: dict[str, Any], where: str) -> Algorithm:
+    """The registered algorithm the group names (a group without one was split by route already)."""
     try:
-        get_algorithm(group["algorithm"])
+        return get_algorithm(group["algorithm"])
     except ValueError as err:
         raise ValueError(f"{where}: {err}") from None
-    return group["algorithm"]
 
 
 def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
