@@ -92,7 +92,7 @@ class GatherAllSharding(MuonFSDPSharding):
 
     @torch.no_grad()
     def orthogonalize(self, params: list[Tensor], updates: list[Tensor], **ns_kwargs: Any) -> list[list[Tensor]]:
-        W, batched = self.world_size, ns_kwargs["batched"]
+        W, layout = self.world_size, ns_kwargs["layout"]
         rows = [shard_rows(u.shape[0], W) for u in updates]
         pad = [max(r) for r in rows]  # every rank sends equal-sized (padded) pieces
         wire = self._wire_dtype(updates, ns_kwargs.get("ns_dtype"))
@@ -116,12 +116,12 @@ class GatherAllSharding(MuonFSDPSharding):
             block = gathered[:, offset : offset + p * cols].reshape(W, p, cols)
             full.append(torch.cat([block[s, : r[s]] for s in range(W)]).view(u.shape).to(u.dtype))
             offset += p * cols
-        ortho = functional.muon_orthogonalize([f.view(_matrix_shape(f.shape, batched)) for f in full], **ns_kwargs)
+        ortho = functional.muon_orthogonalize([f.view(_matrix_shape(f.shape, layout)) for f in full], **ns_kwargs)
         out = []
         for o, u, r in zip(ortho, updates, rows):
             start = sum(r[: self.rank])
             mine = o[0].reshape(u.shape[0], -1)[start : start + r[self.rank]].reshape(self.local_shard(u).shape)
-            out.append([self._as_dtensor(mine.view(_matrix_shape(mine.shape, batched)), u, batched)])
+            out.append([self._as_dtensor(mine, u.device_mesh, _matrix_shape(u.shape, layout))])
         return out
 
 

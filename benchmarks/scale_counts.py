@@ -24,6 +24,7 @@ import torch
 from lightning_muon.distributed.comm import all_reduce_bytes
 from lightning_muon.distributed.fsdp import shard_rows
 from lightning_muon.distributed.planning import matrix_shapes, plan_ownership
+from lightning_muon.layout import MatrixLayout
 from lightning_muon.newton_schulz import ns_flops, resolve_ns_method
 
 
@@ -37,7 +38,7 @@ class Matrix:
     split_sizes: tuple[int, ...] | None = None
     batched: bool = False
     transposed: bool = False
-    """Stored (fan_in, fan_out): a QKV split cuts dim 1 (``functional.piece_shapes``)."""
+    """Stored (fan_in, fan_out): a QKV split cuts dim 1 (``MatrixLayout.piece_shapes``)."""
 
     @property
     def stored(self) -> tuple[int, ...]:
@@ -202,21 +203,17 @@ def ns_flops_of(m: Matrix, steps: int, method: str, dtype: torch.dtype) -> int:
     """FLOPs ``orthogonalize`` runs for one Muon parameter: each of its matrices with the method it resolves to."""
     return sum(
         ns_flops(r, c, steps, method=resolve_ns_method(method, r, c, dtype))
-        for r, c in matrix_shapes(m.shape, m.split_sizes, m.batched, m.transposed)
+        for r, c in matrix_shapes(m.shape, MatrixLayout(m.split_sizes, m.batched, m.transposed))
     )
 
 
 def plan_for(shapes: ModelShapes, ranks: int, fsdp: bool = False):
     """``plan_ownership`` as ``MuonSharding`` (or, with ``fsdp``, ``MuonFSDPSharding``) calls it."""
     if fsdp:
-        return plan_ownership([m.stored for m in shapes.muon], ranks, batched=[m.batched for m in shapes.muon])
-    return plan_ownership(
-        [m.shape for m in shapes.muon],
-        ranks,
-        split_sizes=[m.split_sizes for m in shapes.muon],
-        batched=[m.batched for m in shapes.muon],
-        transposed=[m.transposed for m in shapes.muon],
-    )
+        layouts = [MatrixLayout(batched=m.batched) for m in shapes.muon]
+        return plan_ownership([m.stored for m in shapes.muon], ranks, layouts=layouts)
+    layouts = [MatrixLayout(m.split_sizes, m.batched, m.transposed) for m in shapes.muon]
+    return plan_ownership([m.shape for m in shapes.muon], ranks, layouts=layouts)
 
 
 def _entry(q: int, t: RankTraffic, **extra: Any) -> dict[str, Any]:

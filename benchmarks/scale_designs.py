@@ -29,6 +29,7 @@ from scale_profiles import Profile
 
 from lightning_muon.distributed.planning import plan_ownership
 from lightning_muon.distributed.tp_math import tp_bytes, tp_ns_flops
+from lightning_muon.layout import MatrixLayout
 
 
 def a2a_seconds(sent: tuple[float, float], received: tuple[float, float], p: Profile) -> float:
@@ -231,7 +232,9 @@ def predict_tp(shapes: ModelShapes, p: Profile, world: int, tp: int, mode: str) 
         return None
     D, per_node = world // tp, G // tp
     wire = int(p.wire_bytes_fsdp)
-    plan = plan_ownership([m.stored for m in shapes.muon], D, batched=[m.batched for m in shapes.muon])
+    plan = plan_ownership(
+        [m.stored for m in shapes.muon], D, layouts=[MatrixLayout(batched=m.batched) for m in shapes.muon]
+    )
     ns, tp_sent = [0.0] * D, [0.0] * D
     for m, owner in zip(shapes.muon, plan.owners):
         rows, cols = m.stored[0], math.prod(m.stored[1:])

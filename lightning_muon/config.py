@@ -16,7 +16,6 @@ from typing import Any, Literal
 
 from torch import nn
 
-from lightning_muon.added_groups import ModuleRouter
 from lightning_muon.algorithms import (
     SCHEDULE_FREE,
     AdamWHparams,
@@ -30,9 +29,10 @@ from lightning_muon.algorithms import (
 from lightning_muon.algorithms.adamw_schedulefree import schedulefree
 from lightning_muon.algorithms.muon import AdjustLR, CoefficientName, NSDtype
 from lightning_muon.hparams import BUILTIN_HPARAMS, NonFinite, OptimizerConfig
-from lightning_muon.megatron import MEGATRON_COEFFICIENTS, QKV_NAMES, map_megatron_names, split_rules
 from lightning_muon.muon import Muon
 from lightning_muon.routing import DEFAULT_HEAD_NAMES, RoutingConfig, Rule
+from lightning_muon.routing.added_groups import ModuleRouter
+from lightning_muon.routing.megatron import MEGATRON_COEFFICIENTS, QKV_NAMES, map_megatron_names, split_rules
 from lightning_muon.schedules import Falloff, LRSchedule, MomentumWarmup, MuonScheduler, ScheduleConfig
 
 __all__ = ["MEGATRON_COEFFICIENTS", "QKV_NAMES", "MuonConfig"]

@@ -14,6 +14,7 @@ from collections.abc import Sequence
 import torch
 from torch import Tensor
 
+from lightning_muon.layout import MatrixLayout
 from lightning_muon.newton_schulz import orthogonalize_many
 
 __all__ = [
@@ -26,9 +27,6 @@ __all__ = [
     "adjust_lr_ratio",
     "all_finite",
     "lion_",
-    "matrix_slots",
-    "matrix_views",
-    "piece_shapes",
     "muon_apply_",
     "muon_momentum_",
     "muon_orthogonalize",
@@ -59,15 +57,9 @@ ADJUST_LR_MODES = {
 ADJUST_LR_ALIASES = {"shape_scaling": "original", "unit_rms_norm": "spectral_norm"}
 
 
-def adjust_lr_ratio(
-    mode: str, rows: int, cols: int, extra_scale_factor: float = 1.0, transposed: bool = False
-) -> float:
-    """The factor multiplying the Muon lr for a rows x cols matrix (fan_out x fan_in).
-
-    ``transposed``: the matrix is stored (fan_in, fan_out), so fan_out is ``cols``.
-    """
+def adjust_lr_ratio(mode: str, fan_out: int, fan_in: int, extra_scale_factor: float = 1.0) -> float:
+    """The factor multiplying the Muon lr for a fan_out x fan_in matrix (``MatrixLayout.fans`` of a stored one)."""
     mode = ADJUST_LR_ALIASES.get(mode, mode)
-    fan_out, fan_in = (cols, rows) if transposed else (rows, cols)
     return ADJUST_LR_MODES[mode](fan_out, fan_in) * extra_scale_factor
 
 
@@ -81,83 +73,6 @@ def all_finite(tensors: Sequence[Tensor]) -> bool:
     # torch.cat promotes mixed dtypes; no value is rounded to a narrower type on the way.
     extremes = [torch.stack(torch.aminmax(t)).to(tensors[0].device) for t in tensors if t.numel()]
     return not extremes or bool(torch.cat(extremes).isfinite().all())
-
-
-def matrix_views(
-    t: Tensor, split_sizes: Sequence[int] | None = None, batched: bool = False, transposed: bool = False
-) -> list[Tensor]:
-    """The matrices Muon orthogonalizes in a contiguous tensor (views, except grouped splits).
-
-    - ``batched``: a (..., rows, cols) tensor is one batch of matrices (MoE experts).
-    - otherwise the tensor is flattened to (dim 0, rest) (convs: (out, in * kh * kw)),
-      then split along dim 0 by ``split_sizes`` when given (fused QKV). When the sizes sum
-      to a proper divisor of dim 0, the rows are that many consecutive groups laid out
-      alike (Megatron's fused QKV: per query group ``[q | k | v]``), and piece ``i`` is the
-      ``(groups * split_sizes[i], cols)`` matrix of the ``i``-th block of every group: a
-      copy, since those rows are not evenly spaced. ``matrix_slots`` gives writable views.
-    - ``transposed``: a 2-D weight stored as (fan_in, fan_out) (transformers' ``Conv1D``, the
-      transpose of ``nn.Linear``): the output axis is dim 1, so ``split_sizes`` cut columns,
-      and piece ``i`` of a grouped split is the ``(rows, groups * split_sizes[i])`` matrix.
-      The matrices keep the stored layout (the polar factor of a transpose is the transpose
-      of the polar factor); only the split axis and the lr scale (``adjust_lr_ratio``) read
-      the orientation.
-    """
-    slots = matrix_slots(t, split_sizes, batched, transposed)
-    return [s.reshape(shape) for s, shape in zip(slots, piece_shapes(t.shape, split_sizes, batched, transposed))]
-
-
-def piece_shapes(
-    shape: Sequence[int], split_sizes: Sequence[int] | None = None, batched: bool = False, transposed: bool = False
-) -> list[tuple[int, ...]]:
-    """The shapes of ``matrix_views``' pieces for a tensor of ``shape``, without a tensor.
-
-    The one place that says which matrices a tensor holds: ``matrix_views`` reshapes its
-    slots to these shapes, owner planning counts Newton-Schulz FLOPs on them, and the
-    FSDP2 sharding rebuilds its pieces with them (a row shard has the same columns).
-
-    - ``batched``: one piece ``(B, rows, cols)``, ``B`` the product of the leading dims.
-    - otherwise ``(dim 0, rest)``; with ``split_sizes`` summing to ``S``, ``groups = out / S``
-      (``out`` the output axis: dim 0, or dim 1 when ``transposed``) and piece ``i`` is
-      ``(groups * split_sizes[i], cols)``, or ``(rows, groups * split_sizes[i])`` transposed.
-    """
-    shape = tuple(shape)
-    if batched:
-        return [(math.prod(shape[:-2]), *shape[-2:])]
-    rows, cols = shape[0], math.prod(shape[1:])
-    if not split_sizes:
-        return [(rows, cols)]
-    if transposed:  # the output axis is dim 1: cut columns
-        groups = cols // sum(split_sizes)
-        return [(rows, groups * size) for size in split_sizes]
-    groups = rows // sum(split_sizes)
-    return [(groups * size, cols) for size in split_sizes]
-
-
-def matrix_slots(
-    t: Tensor, split_sizes: Sequence[int] | None = None, batched: bool = False, transposed: bool = False
-) -> list[Tensor]:
-    """Writable views of a contiguous tensor, one per matrix of ``matrix_views``.
-
-    Each slot holds its matrix's elements in the matrix's row order: the matrix itself,
-    or for a grouped split a (groups, split_sizes[i], cols) strided view (transposed: a
-    (rows, groups, split_sizes[i]) one), so that ``slot.copy_(matrix.view(slot.shape))``
-    writes a matrix back.
-    """
-    if batched:
-        return [t.view(-1, *t.shape[-2:])]
-    flat = t.view(t.shape[0], -1)
-    if not split_sizes:
-        return [flat]
-    sizes = list(split_sizes)
-    if transposed:  # the output axis is dim 1: cut columns
-        groups = flat.shape[1] // sum(sizes)
-        if groups == 1:
-            return list(flat.split(sizes, dim=1))
-        return list(flat.view(flat.shape[0], groups, sum(sizes)).split(sizes, dim=2))  # (rows, groups, size_i)
-    groups = flat.shape[0] // sum(sizes)
-    if groups == 1:
-        return list(flat.split(sizes, dim=0))
-    return list(flat.view(groups, sum(sizes), -1).split(sizes, dim=1))  # (groups, size_i, cols) each
 
 
 def muon_momentum_(
@@ -212,23 +127,21 @@ def muon_momentum_(
 def muon_orthogonalize(
     updates: list[Tensor],
     *,
+    layout: MatrixLayout,
     ns_steps: int,
     ns_coefficients,
     ns_dtype,
-    split_sizes: Sequence[int] | None,
-    batched: bool,
     ns_method: str = "standard",
     keep_work_dtype: bool = False,
-    transposed: bool = False,
     donate: bool = False,
 ) -> list[list[Tensor]]:
-    """Orthogonalize every update's matrices; returns, per update, its list of pieces.
+    """Orthogonalize every matrix of every update (cut by ``layout``); returns, per update, its pieces.
 
     ``keep_work_dtype``: leave the pieces in Newton-Schulz's dtype (see ``orthogonalize_many``).
     ``donate``: the updates are temporaries Newton-Schulz may overwrite (see ``muon_momentum_``);
     the list ``updates`` is emptied, so that each is freed as soon as it is orthogonalized.
     """
-    pieces = [matrix_views(u.contiguous(), split_sizes, batched, transposed) for u in updates]
+    pieces = [layout.views(u.contiguous()) for u in updates]
     counts = [len(ms) for ms in pieces]
     flat = [m for ms in pieces for m in ms]
     if donate:
@@ -242,48 +155,53 @@ def muon_orthogonalize(
     return [[next(ortho) for _ in range(n)] for n in counts]
 
 
-def second_moment_buffer(p: Tensor, method: str, batched: bool = False) -> Tensor:
+def second_moment_buffer(p: Tensor, method: str, layout: MatrixLayout) -> Tensor:
     """A zero second-moment buffer for parameter ``p``, made from ``p`` (a DTensor gives a DTensor).
 
-    ``"adamuon"``: shaped like ``p``. ``"normuon"``: one entry per matrix row, shaped like
-    ``p`` with its columns reduced to 1: ``(p.shape[0], 1)`` for the flattened (dim 0, rest)
-    matrix, ``(*p.shape[:-1], 1)`` for a batch of matrices. With ``split_sizes`` every piece
-    owns its rows of the same buffer (``matrix_slots(buffer, split_sizes)``), so one plain
-    tensor per parameter serves fused QKV too, and a row shard of ``p`` (FSDP2, dim 0) holds
+    ``"adamuon"``: shaped like ``p``. ``"normuon"``: one entry per output of every matrix,
+    shaped like ``p`` with each matrix's input axis reduced to 1: ``(rows, 1)`` for a
+    ``(dim 0, rest)`` matrix, ``(1, cols)`` for a transposed one, ``(..., rows, 1)`` or
+    ``(..., 1, cols)`` for a batch. With ``split_sizes`` every piece owns its outputs of the
+    same buffer (``layout.slots(buffer)``), so one plain tensor per parameter serves fused
+    QKV and fused gate/up too, and a row shard of an ``(out, in)`` ``p`` (FSDP2, dim 0) holds
     the rows of the buffer it needs.
     """
     if method == "adamuon":
         return torch.zeros_like(p, memory_format=torch.contiguous_format)
-    rows = p[..., :1] if batched else p.reshape(p.shape[0], -1)[:, :1]
-    return torch.zeros_like(rows, memory_format=torch.contiguous_format)
+    if layout.batched:
+        first = p[..., :1, :] if layout.transposed else p[..., :1]
+    else:
+        first = p[:1] if layout.transposed else p.reshape(p.shape[0], -1)[:, :1]
+    return torch.zeros_like(first, memory_format=torch.contiguous_format)
 
 
 def muon_second_moment_(
     ortho: list[list[Tensor]],
     buffers: list[Tensor],
     *,
+    layout: MatrixLayout,
     method: str,
     beta2: float,
     eps: float,
-    split_sizes: Sequence[int] | None,
-    batched: bool,
 ) -> list[list[Tensor]]:
     """Normalize orthogonalized pieces by a second moment; returns the new pieces.
 
     For each matrix ``O`` (buffers updated in place)::
 
-        v <- beta2 v + (1 - beta2) mean_cols(O * O)     # "normuon": one v per row
+        v <- beta2 v + (1 - beta2) mean_in(O * O)       # "normuon": one v per output
         v <- beta2 v + (1 - beta2) O * O                # "adamuon": one v per element
         O_hat <- O / (sqrt(v) + eps)
         O_hat <- O_hat * ||O||_F / ||O_hat||_F          # the update keeps plain Muon's size
 
-    The last line makes the update's Frobenius norm (and RMS) exactly plain Muon's, so a
-    Muon lr (and ``adjust_lr``) carries over unchanged; no bias correction is needed, the
-    rescale removes it. Both papers rescale to an RMS of 0.2 instead
+    ``mean_in`` averages over each matrix's inputs (its columns, or its rows when the
+    layout is transposed), so a stored transpose gets the statistics of the ``nn.Linear``
+    it stands for. The last line makes the update's Frobenius norm (and RMS) exactly plain
+    Muon's, so a Muon lr (and ``adjust_lr``) carries over unchanged; no bias correction is
+    needed, the rescale removes it. Both papers rescale to an RMS of 0.2 instead
     (``0.2 sqrt(m n) / ||O_hat||_F``): with ``adjust_lr="match_rms_adamw"`` ours equals that
     times ``||O||_F / sqrt(min(m, n))``, which is 1 for an exact polar factor. Each matrix is
     rescaled alone: every piece of a split, every matrix of a batch. The statistics are per
-    row or per element; only the two norms span a matrix.
+    output or per element; only the two norms span a matrix.
 
     References:
         Li, Liu, Liang, Chen, Zhao, "NorMuon: Making Muon more efficient and scalable",
@@ -293,19 +211,22 @@ def muon_second_moment_(
     out = []
     for pieces, buf in zip(ortho, buffers):
         normalized = []
-        for o, v in zip(pieces, matrix_slots(buf, split_sizes, batched)):
+        for o, slot in zip(pieces, layout.slots(buf)):
             # Statistics in float32 at least: squares of bf16 entries lose digits.
             work = torch.promote_types(o.dtype, torch.float32)
-            x = o.reshape(*v.shape[:-1], o.shape[-1]).to(work)  # rows laid out like the buffer's slot
+            x = o.to(work)  # (B?, rows, cols)
+            v = slot.reshape(x.shape if method == "adamuon" else layout.stat_shape(x.shape))
             sq = x.square()
-            v.lerp_((sq.mean(dim=-1, keepdim=True) if method == "normuon" else sq).to(v.dtype), 1.0 - beta2)
+            v.lerp_((sq.mean(dim=layout.in_axis, keepdim=True) if method == "normuon" else sq).to(v.dtype), 1.0 - beta2)
+            if v.data_ptr() != slot.data_ptr():
+                slot.copy_(v.view(slot.shape))  # a grouped split's slot is strided: write the copy back
             x_hat = x / v.to(work).sqrt().add_(eps)
-            dims = (-2, -1) if batched else tuple(range(x.ndim))
+            dims = (-2, -1)  # one norm per matrix: each of a batch, each piece of a split
             ratio = torch.linalg.vector_norm(x, dim=dims, keepdim=True) / torch.linalg.vector_norm(
                 x_hat, dim=dims, keepdim=True
             ).clamp_min(torch.finfo(work).tiny)  # a zero update stays zero
             # Kept in the work dtype (float32 at least): a bf16 piece is not rounded twice.
-            normalized.append(x_hat.mul_(ratio).reshape(o.shape))
+            normalized.append(x_hat.mul_(ratio))
         out.append(normalized)
     return out
 
@@ -314,21 +235,20 @@ def muon_apply_(
     params: list[Tensor],
     ortho: list[list[Tensor]],
     *,
+    layout: MatrixLayout,
     lr: float,
     weight_decay: float,
     adjust_lr: str,
     extra_scale_factor: float,
-    split_sizes: Sequence[int] | None,
-    batched: bool,
     weight_decay_form: str = "decoupled",
-    transposed: bool = False,
 ) -> None:
-    """``W <- W - lr wd M * W - lr * adjust(shape) * O`` for every matrix piece.
+    """``W <- W - lr wd M * W - lr * adjust(fan_out, fan_in) * O`` for every matrix piece.
 
     ``M`` is 1 everywhere for decoupled weight decay (``W (1 - lr wd)``) and, for cautious
     weight decay, 1 where ``O * W >= 0`` (the update, subtracted, moves ``W`` towards zero
     there, as the decay does) and 0 elsewhere (Chen et al., "Cautious Weight Decay",
-    arXiv 2510.12402). The mask reads ``W`` before this step's update.
+    arXiv 2510.12402). The mask reads ``W`` before this step's update. The lr scale is each
+    piece's own: its fan-out and fan-in (``layout.fans``), whatever the tensor it sits in.
     """
     decay = lr * weight_decay
     cautious = decay != 0.0 and weight_decay_form == "cautious"
@@ -342,8 +262,8 @@ def muon_apply_(
         if not p.is_contiguous():  # channels_last convs, transposed storage
             copied.append((p, p.contiguous()))
             p = copied[-1][1]
-        for w, o in zip(matrix_slots(p, split_sizes, batched, transposed), pieces):
-            scale = -lr * adjust_lr_ratio(adjust_lr, *o.shape[-2:], extra_scale_factor, transposed)
+        for w, o in zip(layout.slots(p), pieces):
+            scale = -lr * adjust_lr_ratio(adjust_lr, *layout.fans(*o.shape[-2:]), extra_scale_factor)
             o = o.reshape(w.shape)  # the piece laid out like its slot (a no-op but for grouped splits)
             if cautious:
                 w.mul_(torch.ones_like(w).masked_fill_(o * w >= 0, 1.0 - decay))

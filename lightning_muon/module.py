@@ -18,7 +18,6 @@ from lightning.pytorch.callbacks import BaseFinetuning
 from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
-from lightning_muon.added_groups import ModuleRouter
 from lightning_muon.algorithms import algorithm_names
 from lightning_muon.callbacks.finetuning import UnfreezeOnResume
 from lightning_muon.callbacks.progress import replaces_default_bar
@@ -26,8 +25,9 @@ from lightning_muon.callbacks.schedule_free import ScheduleFreeModeSwitch, save_
 from lightning_muon.config import MuonConfig
 from lightning_muon.muon import Muon
 from lightning_muon.one_lr import apply_one_lr, reapply_schedule, retune_running_schedule
-from lightning_muon.param_groups import as_groups
 from lightning_muon.routing import Rule
+from lightning_muon.routing.added_groups import ModuleRouter
+from lightning_muon.routing.param_groups import as_groups
 from lightning_muon.schedules import MuonScheduler
 
 __all__ = ["MuonModuleMixin", "build_optimizers", "build_schedulers", "configure_muon_optimizers"]

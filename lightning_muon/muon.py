@@ -10,7 +10,6 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_muon.added_groups import split_added_group
 from lightning_muon.algorithms import (
     SCHEDULE_FREE,
     AdamWHparams,
@@ -22,14 +21,15 @@ from lightning_muon.algorithms import (
 )
 from lightning_muon.algorithms.muon import AdjustLR
 from lightning_muon.attachments import UpdateHook, UpdateHooks
-from lightning_muon.checkpoint_routing import check_checkpoint_routing
 from lightning_muon.hparams import NonFinite, OptimizerConfig
 from lightning_muon.nonfinite import FiniteChecks
-from lightning_muon.param_groups import algorithm_of, as_groups, group_label, option_names, split_named_params
+from lightning_muon.routing.added_groups import split_added_group
+from lightning_muon.routing.checkpoint import check_checkpoint_routing
+from lightning_muon.routing.param_groups import algorithm_of, as_groups, group_label, option_names, split_named_params
 
 if TYPE_CHECKING:
-    from lightning_muon.added_groups import Router
     from lightning_muon.distributed.protocol import Sharding
+    from lightning_muon.routing.added_groups import Router
 
 __all__ = ["Muon", "UpdateHook"]
 
@@ -336,7 +336,7 @@ class Muon(Optimizer):
         Called after orthogonalization (and any second moment), before the update is
         applied, on the rank that steps the matrices: ``updates`` are the momentum tensors
         fed to Newton-Schulz, ``ortho`` per parameter its list of pieces (shaped like
-        ``functional.matrix_views``), as they are applied before the lr scale. Under a
+        ``MatrixLayout.views``), as they are applied before the lr scale. Under a
         sharding that holds whole matrices only on owners (FSDP2) the sharding runs the
         hooks there, with the whole matrices, before any second moment. Hooks must not
         modify their arguments. ``handle.remove()`` unregisters it, as for torch's hooks.

@@ -35,6 +35,9 @@ SHAPES: dict[str, tuple[tuple[int, ...], str]] = {
     "conv": ((4, 2, 3, 3), "plain"),
     "unused": ((3, 3), "plain"),  # never gets a gradient
     "experts": ((3, 4, 5), "batched"),
+    "qkv_t": ((5, 12), "split_t"),  # GPT-2's c_attn with split_qkv: (fan_in, fan_out), q | k | v columns
+    "gate_up": ((3, 8, 5), "gate_up"),  # Mixtral's experts: (E, [gate | up], in), NorMuon per expert
+    "oss_gate_up": ((3, 5, 8), "oss_gate_up"),  # GPT-OSS's: (E, in, out), gate and up interleaved
     "lone": ((7, 5), "lone"),  # its own group: one owner, the other ranks own nothing in that call
     "normed": ((6, 5), "normuon"),
     "bias": ((5,), "adamw"),
@@ -56,6 +59,24 @@ def _groups(params: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
     return [
         {"params": pick("plain"), "algorithm": "muon", "name": "plain"},
         {"params": pick("batched"), "algorithm": "muon", "name": "batched", "batched": True},
+        {"params": pick("split_t"), "algorithm": "muon", "name": "split_t", "transposed": True, "split_parts": 3},
+        {
+            "params": pick("gate_up"),
+            "algorithm": "muon",
+            "name": "gate_up",
+            "batched": True,
+            "split_parts": 2,
+            "second_moment": "normuon",
+        },
+        {
+            "params": pick("oss_gate_up"),
+            "algorithm": "muon",
+            "name": "oss_gate_up",
+            "batched": True,
+            "transposed": True,
+            "split_sizes": [1, 1],
+            "weight_decay_form": "cautious",
+        },
         # spectral_norm scales by sqrt(rows / cols): a shard's row count would give another lr.
         {"params": pick("lone"), "algorithm": "muon", "name": "lone", "adjust_lr": "spectral_norm"},
         {

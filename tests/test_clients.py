@@ -16,6 +16,7 @@ from torch import nn
 
 from lightning_muon import Muon, MuonConfig, Rule, route_parameters
 from lightning_muon.functional import adjust_lr_ratio
+from lightning_muon.layout import MatrixLayout
 from lightning_muon.newton_schulz import orthogonalize
 
 pytestmark = [pytest.mark.numerics, pytest.mark.policy_free]  # policy_free: see conftest.py
@@ -110,9 +111,10 @@ def test_conv1d_lr_ratio_is_fan_out_over_fan_in(layer, ratio):
     conv, linear = _pair()
     w_conv = getattr(conv.h[0], layer).weight  # (in, out)
     w_linear = getattr(linear.h[0], layer).weight  # (out, in)
-    assert adjust_lr_ratio("original", *w_conv.shape, transposed=True) == pytest.approx(ratio)
+    conv1d = MatrixLayout(transposed=True)
+    assert adjust_lr_ratio("original", *conv1d.fans(*w_conv.shape)) == pytest.approx(ratio)
     assert adjust_lr_ratio("original", *w_linear.shape) == pytest.approx(ratio)
-    assert adjust_lr_ratio("match_rms_adamw", *w_conv.shape, transposed=True) == pytest.approx(
+    assert adjust_lr_ratio("match_rms_adamw", *conv1d.fans(*w_conv.shape)) == pytest.approx(
         adjust_lr_ratio("match_rms_adamw", *w_linear.shape)
     )
 
@@ -307,7 +309,7 @@ def test_real_gpt2_conv1d_weights_get_linear_lr_ratios(gpt2):
     groups = route_parameters(gpt2)
     transposed = next(g for g in groups if g["name"] == "muon_transposed")
     assert len(transposed["params"]) == 8  # c_attn, attn.c_proj, c_fc, mlp.c_proj per block
-    ratios = {n.split(".", 3)[-1]: adjust_lr_ratio("original", *p.shape, transposed=True)
+    ratios = {n.split(".", 3)[-1]: adjust_lr_ratio("original", *MatrixLayout(transposed=True).fans(*p.shape))
               for n, p in zip(transposed["param_names"], transposed["params"])}  # fmt: skip
     assert ratios == pytest.approx(
         {

@@ -27,6 +27,22 @@ def _load() -> dict:
     return torch.load(DATA / "legacy_checkpoint.pt", weights_only=True)
 
 
+def _same(got: torch.Tensor, saved: torch.Tensor) -> bool:
+    """Equal to the saved numbers, up to the CPU's own BLAS and reduction kernels.
+
+    The state-dict format is the contract, not the kernels: MKL and ATen pick AVX2 or AVX-512
+    code paths by host, which round Newton-Schulz's matmuls and NorMuon's sums differently
+    (measured: 1 ulp, 1.2e-7, after two steps on an AVX-512 host against the AVX2 host that
+    wrote the file; bit for bit there). A wrong group key or state entry moves far more.
+    """
+    got, saved = torch.as_tensor(got), torch.as_tensor(saved)
+    if got.dtype != saved.dtype or got.shape != saved.shape:
+        return False
+    if not got.is_floating_point():
+        return torch.equal(got, saved)
+    return bool(((got - saved).abs() <= 1e-6 * (1 + saved.abs())).all())
+
+
 def _resume(saved: dict, optimizer_state: dict) -> tuple[dict[str, nn.Parameter], torch.optim.Optimizer]:
     params = {n: nn.Parameter(saved["params"][n].clone()) for n in SHAPES}
     opt = build(params)
@@ -38,19 +54,19 @@ def _resume(saved: dict, optimizer_state: dict) -> tuple[dict[str, nn.Parameter]
     return params, opt
 
 
-def test_a_checkpoint_of_version_0_1_resumes_bit_for_bit():
+def test_a_checkpoint_of_version_0_1_resumes_as_it_did():
     saved = _load()
     groups = saved["optimizer"]["param_groups"]
     assert [g["algorithm"] for g in groups] == ["muon", "muon", "adamw", "lion", "adamw_schedulefree"]
     params, opt = _resume(saved, saved["optimizer"])
     for n, p in params.items():
-        assert torch.equal(p.detach(), saved["after"][n]), n
+        assert _same(p.detach(), saved["after"][n]), n
     state = opt.state_dict()["state"]
     assert set(state) == set(saved["state_after"])
     for i, entries in saved["state_after"].items():
         assert set(state[i]) == set(entries), i  # the same state keys per parameter
         for key, value in entries.items():
-            assert torch.equal(torch.as_tensor(state[i][key]), torch.as_tensor(value)), (i, key)
+            assert _same(state[i][key], value), (i, key)
     # The group keys of 0.1.0 are all still there, with the values they had then.
     for old, new in zip(saved["groups_after"], opt.state_dict()["param_groups"]):
         assert {k: new[k] for k in old} == old
@@ -66,6 +82,6 @@ def test_a_checkpoint_older_than_a_knob_takes_its_default():
                 del group[key]
     params, opt = _resume(saved, older)
     for n, p in params.items():
-        assert torch.equal(p.detach(), saved["after"][n]), n
+        assert _same(p.detach(), saved["after"][n]), n
     muon_groups = [g for g in opt.param_groups if g["algorithm"] == "muon"]
     assert {(g["tp_mode"], g["ns_method"], g["sign_momentum"]) for g in muon_groups} == {("duplicated", "auto", False)}

@@ -13,7 +13,7 @@ import pytest
 import torch
 
 from lightning_muon import Muon, MuonConfig
-from lightning_muon.functional import matrix_views
+from lightning_muon.layout import MatrixLayout
 
 pytestmark = pytest.mark.policy_free  # policy_free: see conftest.py
 
@@ -87,7 +87,7 @@ def test_split_qkv_pieces_are_litgpts_own_q_k_v():
     group = next(
         g for g in MuonConfig(split_qkv=True, qkv_split_shapes=SHAPES).routing.build(model) if "split_sizes" in g
     )
-    q_w, k_w, v_w = matrix_views(attn.qkv.weight.detach(), group["split_sizes"])
+    q_w, k_w, v_w = MatrixLayout(group["split_sizes"]).views(attn.qkv.weight.detach())
 
     def heads(w: torch.Tensor) -> torch.Tensor:  # (B, heads, T, hs), as litgpt arranges them
         return (x @ w.T).view(2, 8, -1, HEAD).transpose(1, 2)
@@ -96,7 +96,7 @@ def test_split_qkv_pieces_are_litgpts_own_q_k_v():
     torch.testing.assert_close(heads(k_w), seen["k"])
     torch.testing.assert_close(heads(v_w).repeat_interleave(N_HEAD // GROUPS, dim=1), seen["v"])
     # Megatron's per-group sizes would cut other rows: a layout mistake shows here.
-    megatron = matrix_views(attn.qkv.weight.detach(), [HEAD * N_HEAD // GROUPS, HEAD, HEAD])
+    megatron = MatrixLayout((HEAD * N_HEAD // GROUPS, HEAD, HEAD)).views(attn.qkv.weight.detach())
     assert not torch.allclose(heads(megatron[0]), seen["q"])
 
 

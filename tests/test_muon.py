@@ -705,7 +705,10 @@ def test_constructor_rejects_bad_arguments(kwargs, match):
         ({"params": [W], "batched": True}, r"batched=True needs a tensor with 3\+ dims, got shape \(4, 6\)"),
         ({"params": [W], "batched": "yes"}, r"batched must be a bool, got 'yes'"),
         ({"params": [W], "split_sizes": [2, 1]}, r"split_sizes \(2, 1\) sum to 3, but dim 0 has size 4"),
-        ({"params": [W], "split_sizes": [2, 2], "batched": True}, r"split_sizes and batched=True cannot be combined"),
+        (
+            {"params": [nn.Parameter(torch.zeros(2, 4, 6))], "split_sizes": [3, 2], "batched": True},
+            r"split_sizes \(3, 2\) sum to 5, but dim 1 has size 4",
+        ),
         (
             {"params": [W], "split_sizes": [4, 0]},
             r"split_sizes must be a non-empty list of positive ints, got \[4, 0\]",

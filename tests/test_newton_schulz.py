@@ -395,6 +395,7 @@ def test_donated_temporaries_are_released_as_they_are_consumed(monkeypatch):
     import weakref
 
     from lightning_muon.functional import muon_orthogonalize
+    from lightning_muon.layout import MatrixLayout
 
     monkeypatch.setattr(ns, "BATCH_MAX_ELEMENTS", 16)  # these run alone
     updates = [randn(12, 20, seed=s, dtype=torch.float32) for s in (1, 2)]
@@ -402,7 +403,7 @@ def test_donated_temporaries_are_released_as_they_are_consumed(monkeypatch):
     expected = [orthogonalize(u.clone(), dtype=torch.float32) for u in updates]
     ortho = muon_orthogonalize(
         updates, ns_steps=5, ns_coefficients="polar_express", ns_dtype="float32",
-        split_sizes=None, batched=False, keep_work_dtype=True, donate=True,
+        layout=MatrixLayout(), keep_work_dtype=True, donate=True,
     )  # fmt: skip
     assert updates == []
     # 5 steps: the results sit in the ping-pong partners, and the donated buffers are gone.

@@ -6,7 +6,7 @@ import pytest
 import torch
 
 from lightning_muon.distributed.planning import matrix_shapes, plan_ownership
-from lightning_muon.functional import matrix_views
+from lightning_muon.layout import MatrixLayout
 from lightning_muon.newton_schulz import ns_flops
 
 
@@ -45,9 +45,10 @@ def test_more_ranks_than_matrices_leaves_ranks_empty():
 
 def test_conv_split_and_batched_shapes_count_each_matrix():
     assert matrix_shapes((8, 3, 3, 3)) == [(8, 27)]
-    assert matrix_shapes((96, 32), split_sizes=[32, 32, 32]) == [(32, 32)] * 3
-    assert matrix_shapes((4, 16, 8), batched=True) == [(16, 8)] * 4
-    plan = plan_ownership([(96, 32), (4, 16, 8)], world_size=2, split_sizes=[[32, 32, 32], None], batched=[False, True])
+    assert matrix_shapes((96, 32), MatrixLayout(split_sizes=(32, 32, 32))) == [(32, 32)] * 3
+    assert matrix_shapes((4, 16, 8), MatrixLayout(batched=True)) == [(16, 8)] * 4
+    layouts = [MatrixLayout(split_sizes=(32, 32, 32)), MatrixLayout(batched=True)]
+    plan = plan_ownership([(96, 32), (4, 16, 8)], world_size=2, layouts=layouts)
     assert plan.flops == (3 * ns_flops(32, 32, 5), 4 * ns_flops(16, 8, 5))
 
 
@@ -59,7 +60,7 @@ def test_bad_world_size(world_size):
 
 def test_per_parameter_options_must_match_the_shapes():
     with pytest.raises(ValueError, match="one entry per shape"):
-        plan_ownership([(4, 4), (4, 4)], world_size=2, batched=[False])
+        plan_ownership([(4, 4), (4, 4)], world_size=2, layouts=[MatrixLayout()])
 
 
 @pytest.mark.parametrize(
@@ -70,17 +71,20 @@ def test_per_parameter_options_must_match_the_shapes():
         ((96, 32), (32, 32, 32), False, False),
         ((8, 3, 3, 3), None, False, False),
         ((2, 4, 16, 8), None, True, False),
+        ((4, 32, 16), (16, 16), True, False),  # Mixtral's gate_up: E experts of [gate | up]
+        ((4, 16, 32), (1, 1), True, True),  # GPT-OSS's gate_up: (E, in, out), gate and up interleaved
     ],
 )
 def test_planning_counts_the_matrices_newton_schulz_sees(shape, split_sizes, batched, transposed):
     # The plan must cost what matrix_views hands to Newton-Schulz: for grouped QKV each piece
     # gathers its block from every query group, (groups * size_i, cols), not (size_i, cols).
-    views = matrix_views(torch.zeros(shape), split_sizes, batched, transposed)
+    layout = MatrixLayout(split_sizes, batched, transposed)
+    views = layout.views(torch.zeros(shape))
     expected = [tuple(m.shape[-2:]) for v in views for m in (v if v.ndim == 3 else [v])]
-    assert matrix_shapes(shape, split_sizes, batched, transposed) == expected
-    plan = plan_ownership([shape], 2, split_sizes=[split_sizes], batched=[batched], transposed=[transposed])
+    assert matrix_shapes(shape, layout) == expected
+    plan = plan_ownership([shape], 2, layouts=[layout])
     assert plan.flops == (sum(ns_flops(r, c, 5) for r, c in expected),)
 
 
 def test_grouped_qkv_is_planned_by_its_whole_pieces():
-    assert matrix_shapes((32, 16), split_sizes=[8, 4, 4]) == [(16, 16), (8, 16), (8, 16)]
+    assert matrix_shapes((32, 16), MatrixLayout(split_sizes=(8, 4, 4))) == [(16, 16), (8, 16), (8, 16)]

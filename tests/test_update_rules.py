@@ -14,7 +14,7 @@ from torch import nn
 from torch.testing import assert_close
 
 from lightning_muon import Muon, route_parameters
-from lightning_muon.functional import matrix_slots, matrix_views
+from lightning_muon.layout import MatrixLayout
 
 pytestmark = pytest.mark.numerics
 
@@ -102,14 +102,14 @@ def test_split_sizes_with_second_moment_match_formula(second_moment, shape, spli
 def test_grouped_split_views_follow_megatron_layout():
     """matrix_views gathers each block's rows from every query group; matrix_slots write them back."""
     t = torch.arange(8 * 3, dtype=torch.float64).reshape(8, 3)  # 2 groups of (2 q + 1 k + 1 v) rows
-    q, k, v = matrix_views(t, (2, 1, 1))
+    q, k, v = MatrixLayout((2, 1, 1)).views(t)
     # Megatron: t.view(groups, 4, -1).split([2, 1, 1], dim=1), each reshaped to (-1, cols).
     expected = [x.reshape(-1, 3) for x in t.view(2, 4, 3).split([2, 1, 1], dim=1)]
     for got, want in zip((q, k, v), expected):
         assert torch.equal(got, want)
     assert q.shape == (4, 3) and k.shape == (2, 3)
     target = torch.zeros_like(t)
-    for slot, piece in zip(matrix_slots(target, (2, 1, 1)), (q, k, v)):
+    for slot, piece in zip(MatrixLayout((2, 1, 1)).slots(target), (q, k, v)):
         slot.copy_(piece.view(slot.shape))
     assert torch.equal(target, t)
 

@@ -138,6 +138,7 @@ def _band_run(rank: int, world: int) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from lightning_muon.distributed.fsdp import MuonFSDPSharding
+    from lightning_muon.layout import layout_of
 
     mesh = init_device_mesh("cpu", (world,))
     out = {}
@@ -147,9 +148,9 @@ def _band_run(rank: int, world: int) -> dict[str, torch.Tensor]:
         p = nn.Parameter(distribute_tensor(torch.ones_like(G), mesh, [Shard(0)]))
         opt = Muon([{"params": [p], "ns_coefficients": name, "ns_steps": steps, "ns_dtype": "float64"}])
         group = opt.param_groups[0]
-        keys = ("ns_steps", "ns_coefficients", "ns_dtype", "ns_method", "split_sizes", "batched", "transposed")
+        kwargs = {k: group[k] for k in ("ns_steps", "ns_coefficients", "ns_dtype", "ns_method")}
         (pieces,) = MuonFSDPSharding(opt).orthogonalize([p], [distribute_tensor(G, mesh, [Shard(0)])],
-                                                        **{k: group[k] for k in keys})  # fmt: skip
+                                                        layout=layout_of(group), **kwargs)  # fmt: skip
         out[name] = pieces[0].full_tensor()
     return out
 

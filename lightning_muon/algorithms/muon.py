@@ -46,6 +46,7 @@ from lightning_muon.functional import (
     muon_second_moment_,
     second_moment_buffer,
 )
+from lightning_muon.layout import LAYOUT_KEYS, MatrixLayout, layout_of
 from lightning_muon.newton_schulz import (
     check_ns_dtype,
     check_ns_method,
@@ -74,7 +75,7 @@ CoefficientName = Literal["polar_express", "polar_express_paper", "keller", "you
 NSDtype = Literal["float32", "bfloat16", "float64", "float16", "fp32", "bf16"]
 
 # Options of a Muon group besides its hyperparameters: the layout of its tensors.
-MUON_LAYOUT = frozenset({"split_sizes", "split_parts", "batched", "transposed"})
+MUON_LAYOUT = frozenset({*LAYOUT_KEYS, "split_parts"})
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -170,8 +171,9 @@ def check_muon(group: dict[str, Any], where: str, prefix: str = "") -> dict[str,
     except ValueError as err:
         raise HparamError(f"{where}: {err}", "ns_method") from None
     check_bool(group, "sign_momentum", where)
-    if "batched" in group:
-        check_bool(group, "batched", where)
+    for key in ("batched", "transposed"):
+        if key in group:
+            check_bool(group, key, where)
     return out
 
 
@@ -189,8 +191,10 @@ def resolve_split_parts(group: dict[str, Any], params: list[Tensor], where: str)
         raise ValueError(f"{where}: split_parts must be a positive int, got {parts!r}")
     if group.get("split_sizes") is not None:
         raise ValueError(f"{where}: set split_parts or split_sizes, not both")
-    axis = 1 if group.get("transposed") else 0
-    sizes = {p.shape[axis] for p in params if p.ndim >= 2}
+    layout = MatrixLayout(batched=bool(group.get("batched")), transposed=bool(group.get("transposed")))
+    axes = {layout.out_axis(p.ndim) for p in params if p.ndim >= 2} or {0}
+    axis = min(axes)
+    sizes = {p.shape[layout.out_axis(p.ndim)] for p in params if p.ndim >= 2}
     if len(sizes) > 1:
         raise ValueError(f"{where}: split_parts={parts} needs one output size in the group, got {sorted(sizes)}")
     (size,) = sizes or {parts}
@@ -204,40 +208,17 @@ def resolve_split_parts(group: dict[str, Any], params: list[Tensor], where: str)
 
 
 def check_muon_params(group: dict[str, Any], params: list[Tensor], where: str) -> None:
-    """The layout keys (``split_sizes``, ``batched``, ``transposed``) against the group's tensors."""
-    split_sizes, batched, transposed = group["split_sizes"], group["batched"], group["transposed"]
-    if not isinstance(transposed, bool):
-        raise ValueError(f"{where}: transposed must be a bool, got {transposed!r}")
-    if transposed and (batched or group["second_moment"] == "normuon"):
-        what = "batched=True" if batched else "second_moment='normuon' (per-row statistics)"
-        raise ValueError(f"{where}: transposed=True cannot be combined with {what} yet")
-    out_dim = 1 if transposed else 0
-    if split_sizes is not None:
-        if batched:
-            raise ValueError(f"{where}: split_sizes and batched=True cannot be combined")
-        if not split_sizes or not all(isinstance(s, int) and not isinstance(s, bool) and s > 0 for s in split_sizes):
-            raise ValueError(f"{where}: split_sizes must be a non-empty list of positive ints, got {split_sizes!r}")
-        group["split_sizes"] = tuple(split_sizes)
+    """The group's layout (``split_sizes``, ``batched``, ``transposed``) against its tensors."""
+    try:
+        layout = layout_of(group)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    group["split_sizes"] = layout.split_sizes
     for j, p in enumerate(params):
         label = f"{where}, parameter {j}" + (f" ({group['param_names'][j]!r})" if "param_names" in group else "")
         if p.is_complex():
             raise ValueError(f"{label}: complex parameters are not supported by Muon")
-        if p.ndim < 2:
-            raise ValueError(
-                f"{label}: Muon needs a matrix, got a {p.ndim}-D tensor of shape {tuple(p.shape)}; "
-                "route it to 'adamw', 'lion' or 'adamw_schedulefree'"
-            )
-        if batched and p.ndim < 3:
-            raise ValueError(f"{label}: batched=True needs a tensor with 3+ dims, got shape {tuple(p.shape)}")
-        if transposed and p.ndim != 2:
-            raise ValueError(f"{label}: transposed=True needs a 2-D (fan_in, fan_out) weight, got {tuple(p.shape)}")
-        if split_sizes is not None and p.shape[out_dim] % sum(split_sizes) != 0:
-            layout = "a (fan_in, fan_out) weight, transposed=True" if transposed else "a (fan_out, ...) weight"
-            raise ValueError(
-                f"{label}: split_sizes {tuple(split_sizes)} sum to {sum(split_sizes)}, but dim {out_dim} has size "
-                f"{p.shape[out_dim]}, not a multiple of it (dim {out_dim} is the output axis of {layout}, "
-                f"shape {tuple(p.shape)})"
-            )
+        layout.check(p, label)
 
 
 class MuonAlgorithm(Algorithm):
@@ -279,7 +260,8 @@ class MuonAlgorithm(Algorithm):
         hooks = optimizer.has_update_hooks
         donate = group["nesterov"] and not hooks and sharding is None
         out_dtypes = None
-        if donate and group["split_sizes"] is None and not group["batched"]:
+        layout = layout_of(group)
+        if donate and layout.split_sizes is None and not layout.batched:
             flat = [g.reshape(g.shape[0], -1) for g in grads]  # the matrices Newton-Schulz will see
             out_dtypes = donated_dtypes(flat, group["ns_dtype"], group["ns_method"])
         updates = muon_momentum_(
@@ -298,15 +280,13 @@ class MuonAlgorithm(Algorithm):
     def orthogonalize(
         self, sharding: Any, group: dict, updates: list[Tensor], params: list[Tensor], donate: bool = False
     ) -> list[list[Tensor]]:
-        """Per update, its orthogonalized pieces (shaped as ``matrix_views``); a sharding does it across ranks."""
+        """Per update, its orthogonalized pieces (``MatrixLayout.views``); a sharding does it across ranks."""
         kwargs = dict(
+            layout=layout_of(group),
             ns_steps=group["ns_steps"],
             ns_coefficients=group["ns_coefficients"],
             ns_dtype=group["ns_dtype"],
             ns_method=group["ns_method"],
-            split_sizes=group["split_sizes"],
-            batched=group["batched"],
-            transposed=group["transposed"],
         )
         if sharding is not None:
             return sharding.orthogonalize(params, updates, **kwargs)
@@ -319,16 +299,15 @@ class MuonAlgorithm(Algorithm):
         for p in params:
             entry = state[p]
             if "second_moment" not in entry:
-                entry["second_moment"] = second_moment_buffer(p, method, group["batched"])
+                entry["second_moment"] = second_moment_buffer(p, method, layout_of(group))
             buffers.append(entry["second_moment"])
         return muon_second_moment_(
             ortho,
             buffers,
+            layout=layout_of(group),
             method=method,
             beta2=group["second_moment_beta2"],
             eps=group["second_moment_eps"],
-            split_sizes=group["split_sizes"],
-            batched=group["batched"],
         )
 
     def apply_update(self, optimizer: Any, group: dict, params: list[Tensor], ortho: list[list[Tensor]]) -> None:
@@ -336,14 +315,12 @@ class MuonAlgorithm(Algorithm):
         muon_apply_(
             params,
             ortho,
+            layout=layout_of(group),
             lr=group["lr"],
             weight_decay=group["weight_decay"],
             adjust_lr=group["adjust_lr"],
             extra_scale_factor=group["extra_scale_factor"],
-            split_sizes=group["split_sizes"],
-            batched=group["batched"],
             weight_decay_form=group["weight_decay_form"],
-            transposed=group["transposed"],
         )
 
 

@@ -43,7 +43,7 @@ from torch.distributed.tensor import DTensor
 from lightning_muon.algorithms.base import register_algorithm
 from lightning_muon.algorithms.checks import HparamError, check_number, normalize
 from lightning_muon.algorithms.muon import MUON, MuonAlgorithm
-from lightning_muon.functional import matrix_slots
+from lightning_muon.layout import MatrixLayout, layout_of
 
 if TYPE_CHECKING:
     from lightning_muon.hparams import OptimizerConfig
@@ -123,7 +123,7 @@ class MuonHyperball(MuonAlgorithm):
             torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
         sharding = optimizer.sharding
         local = sharding.local_shard if sharding is not None else (lambda t: t)
-        layout = group["split_sizes"], group["batched"], group["transposed"]
+        layout = layout_of(group)
         # (K, 3): ||W||^2, <W, O>, ||O||^2 over this rank's part of each parameter
         parts = [_partial_sums(local(p.detach()), [local(o) for o in os], layout) for p, os in zip(params, ortho)]
         sums = torch.stack(parts)
@@ -134,21 +134,21 @@ class MuonHyperball(MuonAlgorithm):
             c = lr * R / max(math.sqrt(oo), eps)  # W <- W - c O is W - lr (R O / max(||O||, eps))
             new_norm = math.sqrt(max(ww - 2.0 * c * wo + c * c * oo, 0.0))
             target = p if p.is_contiguous() else p.contiguous()  # channels_last convs: update a copy
-            for w, o in zip(matrix_slots(target, *layout), pieces):
+            for w, o in zip(layout.slots(target), pieces):
                 w.add_(o.reshape(w.shape), alpha=-c)
             target.mul_(R / max(new_norm, eps))
             if target is not p:
                 p.copy_(target)
 
 
-def _partial_sums(w: Tensor, pieces: list[Tensor], layout: tuple) -> Tensor:
+def _partial_sums(w: Tensor, pieces: list[Tensor], layout: MatrixLayout) -> Tensor:
     """``[||W||^2, <W, O>, ||O||^2]`` over this rank's part of a parameter, in float32 at least."""
     work = torch.promote_types(w.dtype, torch.float32)
     w = w.contiguous()
     ww = torch.linalg.vector_norm(w, dtype=work).square()
     wo = torch.zeros((), dtype=work, device=w.device)
     oo = torch.zeros((), dtype=work, device=w.device)
-    for slot, o in zip(matrix_slots(w, *layout), pieces):
+    for slot, o in zip(layout.slots(w), pieces):
         o = o.reshape(slot.shape).to(work)
         wo += (slot.to(work) * o).sum()
         oo += o.square().sum()

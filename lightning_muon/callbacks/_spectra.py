@@ -31,7 +31,8 @@ import torch.distributed as dist
 from torch import Tensor, nn
 
 from lightning_muon.algorithms import orthogonalizes
-from lightning_muon.functional import adjust_lr_ratio, matrix_views
+from lightning_muon.functional import adjust_lr_ratio
+from lightning_muon.layout import MatrixLayout, layout_of
 from lightning_muon.metrics import rms, singular_values, spectrum_stats
 
 __all__ = ["MatrixSpectrum", "SpectrumCollector", "Target", "render_heatmap"]
@@ -211,8 +212,7 @@ class SpectrumCollector:
                 self.records.extend(self._measure(target, group, p, u, pieces))
 
     def _measure(self, target: Target, group: dict, p: Tensor, u: Tensor, pieces: list[Tensor]) -> list[MatrixSpectrum]:
-        split_sizes, batched = group.get("split_sizes"), group.get("batched", False)
-        transposed = group.get("transposed", False)  # stored (fan_in, fan_out): GPT-2's Conv1D
+        layout = layout_of(group)  # splits, expert batches, (fan_in, fan_out) storage
         shapes = [o.shape for o in pieces]
 
         def views(t: Tensor | None) -> list[Tensor] | None:
@@ -220,7 +220,7 @@ class SpectrumCollector:
             # tensor is not a full local one (DTensor) or does not split like the pieces.
             if t is None or _is_dtensor(t) or t.shape != p.shape:
                 return None
-            vs = matrix_views(t.detach().contiguous(), split_sizes, batched, transposed)
+            vs = layout.views(t.detach().contiguous())
             return vs if [v.shape for v in vs] == shapes else None
 
         weights = views(p)
@@ -235,7 +235,7 @@ class SpectrumCollector:
             o3 = o if o.ndim == 3 else o.unsqueeze(0)  # (B, r, c)
             rows, cols = o3.shape[-2:]
             scale = lr * adjust_lr_ratio(
-                group["adjust_lr"], rows, cols, group.get("extra_scale_factor", 1.0), transposed
+                group["adjust_lr"], *layout.fans(rows, cols), group.get("extra_scale_factor", 1.0)
             )
             weight = weights[i] if weights is not None else None
             momentum = momenta[i] if momenta is not None else None
@@ -353,22 +353,23 @@ def _ratio(a: float, b: float) -> float:
 
 
 def _matrix_sums_of_squares(target: Target) -> Tensor:
-    """Sum of squares of each matrix Muon makes of the (DTensor) parameter, on the CPU."""
+    """Sum of squares of each matrix Muon makes of the (DTensor) parameter, on the CPU, in ``views`` order."""
     w = target.param.detach()
-    split_sizes, batched = target.group.get("split_sizes"), target.group.get("batched", False)
-    if batched:
-        # (..., r, c) -> one value per matrix; Shard(0) stays sharded over the leading dims.
-        per = (w * w).sum(dim=(-2, -1))
+    layout = layout_of(target.group)
+    if layout.split_sizes is None:
+        # One value per matrix; Shard(0) stays sharded over the leading dims (rows or experts).
+        per = (w * w).sum(dim=(-2, -1)) if layout.batched else (w * w).sum()
         full = per.full_tensor() if _is_dtensor(per) else per
         return full.reshape(-1).float().cpu()
-    per_row = (w * w).sum(dim=tuple(range(1, w.ndim)))  # (rows,): a vector, never the matrix
-    full = (per_row.full_tensor() if _is_dtensor(per_row) else per_row).float().cpu()
-    if split_sizes:
-        # Rows are ``groups`` consecutive blocks laid out alike (one group for plain fused QKV).
-        sizes = list(split_sizes)
-        parts = full.view(full.numel() // sum(sizes), sum(sizes)).split(sizes, dim=1)
-        return torch.stack([part.sum() for part in parts])
-    return full.sum().reshape(1)
+    # With splits, sums per output (a vector, never the matrix), then cut like the pieces.
+    axis = layout.out_axis(w.ndim)
+    keep = (*range(w.ndim - 2), axis) if layout.batched else (axis,)
+    per_out = (w * w).sum(dim=tuple(d for d in range(w.ndim) if d not in keep))  # (B?, outputs)
+    full = (per_out.full_tensor() if _is_dtensor(per_out) else per_out).float().cpu()
+    # (B, 1, outputs) cut as a transposed split cuts its columns: per piece, (B, 1, groups, size_i)
+    cut = MatrixLayout(layout.split_sizes, batched=True, transposed=True)
+    pieces = cut.slots(full.reshape(-1, 1, full.shape[-1]).contiguous())
+    return torch.cat([part.reshape(part.shape[0], -1).sum(dim=1) for part in pieces])  # piece-major, as logged
 
 
 # ---------------------------------------------------------------------- heatmap

@@ -42,7 +42,8 @@ from lightning_muon.algorithms import orthogonalizes
 from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
 from lightning_muon.distributed.planning import plan_ownership
 from lightning_muon.distributed.protocol import Sharding
-from lightning_muon.functional import muon_orthogonalize, piece_shapes
+from lightning_muon.functional import muon_orthogonalize
+from lightning_muon.layout import MatrixLayout, layout_of
 from lightning_muon.newton_schulz import resolve_ns_dtype
 
 __all__ = ["FSDP_MODES", "MuonFSDPSharding", "exchange_with_owners", "muon_params", "shard_rows"]
@@ -56,9 +57,19 @@ def shard_rows(rows: int, world_size: int) -> list[int]:
     return [max(0, min(size, rows - r * size)) for r in range(world_size)]
 
 
-def _matrix_shape(shape: Sequence[int], batched: bool) -> tuple[int, ...]:
-    # The one piece (no split_sizes under FSDP2) of a tensor, or of its row shard.
-    return piece_shapes(shape, None, batched)[0]
+def _matrix_shape(shape: Sequence[int], layout: MatrixLayout) -> tuple[int, ...]:
+    # The one piece of a tensor without splits, or of its row shard.
+    return layout.piece_shapes(shape)[0]
+
+
+def rows_stay_whole(layout: MatrixLayout) -> bool:
+    """Whether a ``Shard(0)`` row block of a tensor is, piece by piece, a row block of each piece.
+
+    True unless ``split_sizes`` cut dim 0 itself (a fused QKV stored ``(out, in)``): a split
+    along the columns (a ``Conv1D``'s fused QKV) leaves every piece all the rows, and a batch
+    of matrices (an expert stack, sharded over its experts) leaves whole matrices.
+    """
+    return layout.split_sizes is None or layout.batched or layout.transposed
 
 
 class MuonFSDPSharding(Sharding):
@@ -76,8 +87,13 @@ class MuonFSDPSharding(Sharding):
         stats: where bytes and calls are counted; a new ``CommStats`` by default.
 
     Notes:
-        ``split_sizes`` (fused QKV split along dim 0) and batched tensors with more than
-        three dims are not supported: their pieces cut across the row shards.
+        Batched stacks (mixture-of-experts ``(E, out, in)``, ``Shard(0)`` over the experts)
+        leave every rank whole experts: each rank orthogonalizes its own, and nothing is sent
+        for them (``"to_owner"`` counts no bytes of theirs). Splits along the columns (GPT-2's
+        ``Conv1D`` fused QKV with ``split_qkv=True``) go to owners whole and come back as row
+        blocks of each piece. Splits along dim 0 (a fused QKV stored ``(out, in)``) and
+        batched tensors with more than three dims are not supported: their pieces cut across
+        the row shards.
         The optimizer's update hooks (``Muon.register_update_hook``, ``UpdateSpectrumMonitor``)
         are run here, on owner ranks with the full matrices they orthogonalized, before any
         second-moment normalization; in blockwise mode no rank holds a full matrix and they
@@ -97,7 +113,7 @@ class MuonFSDPSharding(Sharding):
         plan = plan_ownership(
             [tuple(p.shape) for p in params],
             self.mesh.size(),
-            batched=[g["batched"] for g in groups for _ in g["params"]],
+            layouts=[layout_of(g) for g in groups for _ in g["params"]],
         )
         self._warned_observer = False
         super().__init__(
@@ -159,29 +175,35 @@ class MuonFSDPSharding(Sharding):
 
     @torch.no_grad()
     def orthogonalize(self, params: list[Tensor], updates: list[Tensor], **ns_kwargs) -> list[list[Tensor]]:
-        """Per update, its orthogonalized pieces as ``Shard(0)`` DTensors with the global shape.
+        """Per update, its orthogonalized pieces as ``Shard(0)`` DTensors with the pieces' global shapes.
 
-        ``ns_kwargs`` are ``functional.muon_orthogonalize``'s keywords (``ns_steps``,
-        ``ns_coefficients``, ``ns_dtype``, ``split_sizes``, ``batched``, ...). Every rank
-        must call it with the same parameters (``step_finite`` checked that).
+        ``ns_kwargs`` are ``functional.muon_orthogonalize``'s keywords (``layout``,
+        ``ns_steps``, ``ns_coefficients``, ``ns_dtype``, ...). Every rank must call it with
+        the same parameters (``step_finite`` checked that).
         """
-        batched = ns_kwargs["batched"]
-        if self.mode == "blockwise":
-            local = [self.local_shard(u) for u in updates]
-            mats = [u.reshape(_matrix_shape(u.shape, batched)) for u in local]
-            filled = [i for i, m in enumerate(mats) if m.numel()]  # an empty shard stays empty
-            ortho = [[m] for m in mats]
-            for i, o in zip(filled, muon_orthogonalize([mats[i] for i in filled], **ns_kwargs)):
+        layout = ns_kwargs["layout"]
+        if self.mode == "blockwise" or layout.batched:
+            # Blockwise: each rank's rows alone (an approximation). Batched: each rank's rows
+            # are whole matrices (experts), so this is exact and sends nothing.
+            self._warn_unobserved(
+                "blockwise mode never holds a whole matrix"
+                if self.mode == "blockwise"
+                else "batched stacks are orthogonalized where their experts live, without owners"
+            )
+            local = [self.local_shard(u).contiguous() for u in updates]
+            filled = [i for i, u in enumerate(local) if u.numel()]  # an empty shard stays empty
+            ortho = [layout.views(u) for u in local]
+            for i, o in zip(filled, muon_orthogonalize([local[i] for i in filled], **ns_kwargs)):
                 ortho[i] = o
-            if self.optimizer.has_update_hooks and not self._warned_observer:
-                self._warned_observer = True
-                warnings.warn(
-                    "MuonFSDPSharding: blockwise mode never holds a whole matrix; the update hooks are not run",
-                    RuntimeWarning,
-                    stacklevel=2,
-                )
-            return [[self._as_dtensor(o[0], u, batched)] for o, u in zip(ortho, updates)]
+            return [self._pieces_as_dtensors(o, u, layout) for o, u in zip(ortho, updates)]
         return self._orthogonalize_by_owner(params, updates, ns_kwargs)
+
+    def _warn_unobserved(self, why: str) -> None:
+        if self.optimizer.has_update_hooks and not self._warned_observer:
+            self._warned_observer = True
+            warnings.warn(
+                f"MuonFSDPSharding: {why}; the update hooks are not run for them", RuntimeWarning, stacklevel=3
+            )
 
     def _wire_dtype(self, updates: list[Tensor], ns_dtype) -> torch.dtype:
         base = updates[0].dtype
@@ -195,16 +217,25 @@ class MuonFSDPSharding(Sharding):
     def _orthogonalize_by_owner(
         self, params: list[Tensor], updates: list[Tensor], ns_kwargs: dict
     ) -> list[list[Tensor]]:
-        batched = ns_kwargs["batched"]
+        layout = ns_kwargs["layout"]
 
         def compute(mine: list[int], full: list[Tensor]) -> list[Tensor]:
-            # The owner orthogonalizes all its whole matrices at once.
-            ortho = muon_orthogonalize([f.view(_matrix_shape(f.shape, batched)) for f in full], **ns_kwargs)
+            # The owner orthogonalizes all its whole matrices at once, then lays each tensor's
+            # pieces back out in the tensor's own shape, so that its row blocks travel back.
+            ortho = muon_orthogonalize(full, **ns_kwargs)
             self._observe(params, updates, mine, full, ortho)
-            return [o[0] for o in ortho]
+            if layout.split_sizes is None:
+                return [o[0] for o in ortho]
+            whole = []
+            for f, pieces in zip(full, ortho):
+                out = f.new_empty(f.shape, dtype=pieces[0].dtype)
+                for slot, piece in zip(layout.slots(out), pieces):
+                    slot.copy_(piece.view(slot.shape))
+                whole.append(out)
+            return whole
 
-        def place(i: int, piece: Tensor) -> Tensor:
-            return self._as_dtensor(piece.view(_matrix_shape(piece.shape, batched)), updates[i], batched)
+        def place(i: int, rows: Tensor) -> Tensor:
+            return self._pieces_as_dtensors(layout.views(rows.contiguous()), updates[i], layout)
 
         rank = self.rank
         return exchange_with_owners(
@@ -225,11 +256,19 @@ class MuonFSDPSharding(Sharding):
             ),
         )
 
-    def _as_dtensor(self, local: Tensor, like: Tensor, batched: bool) -> Tensor:
-        """A ``Shard(0)`` DTensor with ``local`` as this rank's rows of a matrix shaped like ``like``'s piece."""
-        shape = torch.Size(_matrix_shape(like.shape, batched))
+    def _pieces_as_dtensors(self, local_pieces: list[Tensor], like: Tensor, layout: MatrixLayout) -> list[Tensor]:
+        """``Shard(0)`` DTensors of the pieces of ``like`` (a global tensor) from this rank's rows of each."""
+        return [
+            self._as_dtensor(piece, like.device_mesh, shape)
+            for piece, shape in zip(local_pieces, layout.piece_shapes(like.shape))
+        ]
+
+    def _as_dtensor(self, local: Tensor, mesh, shape: Sequence[int]) -> Tensor:
+        """A ``Shard(0)`` DTensor of global ``shape`` with ``local`` as this rank's rows."""
+        shape = torch.Size(shape)
+        local = local.reshape(-1, *shape[1:]) if len(shape) > 1 else local
         return DTensor.from_local(
-            local.contiguous(), like.device_mesh, (Shard(0),), run_check=False, shape=shape, stride=_strides(shape)
+            local.contiguous(), mesh, (Shard(0),), run_check=False, shape=shape, stride=_strides(shape)
         )
 
     def _observe(
@@ -265,7 +304,7 @@ def exchange_with_owners(
     world_size: int,
     stats: CommStats,
     compute: Callable[[list[int], list[Tensor]], list[Tensor]],
-    place: Callable[[int, Tensor], Tensor],
+    place: Callable[[int, Tensor], list[Tensor]],
     mismatch: Callable[[int, tuple[int, ...], int], str],
 ) -> list[list[Tensor]]:
     """Rows to their owners, ``compute`` on the owners' whole tensors, rows back: the owner path.
@@ -276,7 +315,7 @@ def exchange_with_owners(
         all_to_all_v   rank r sends its rows of tensor i to owners[i], in ``wire``    "to_owner"
         owner          results = compute(mine, [whole tensor i for i in mine])        (shapes[i]-sized)
         all_to_all_v   owner sends rank r its rows of each result, in ``wire``        "from_owner"
-        returns        per i, [place(i, this rank's rows of result i in dtypes[i])]
+        returns        per i, place(i, this rank's rows of result i in dtypes[i]): its pieces
 
     ``rank`` of ``world_size`` is this rank's place in ``group``; every rank of ``group``
     calls it with the same shapes and owners. A local shard with the wrong row count
@@ -322,7 +361,7 @@ def exchange_with_owners(
     out: list[list[Tensor] | None] = [None] * len(local)
     for chunk, s in zip(got.split(from_counts), range(W)):
         for i, part in zip(by_owner[s], _split(chunk, [rows[i][rank] * row_numel[i] for i in by_owner[s]])):
-            out[i] = [place(i, part.view(local[i].shape).to(dtypes[i]))]
+            out[i] = place(i, part.view(local[i].shape).to(dtypes[i]))
     return out  # type: ignore[return-value]
 
 
@@ -367,13 +406,16 @@ def muon_params(
 
 
 def _check_group(g: dict, where: str, params: list[Tensor]) -> None:
-    if g["split_sizes"] is not None:
+    layout = layout_of(g)
+    if not rows_stay_whole(layout):
         raise ValueError(
-            f"MuonFSDPSharding: {where} has split_sizes {g['split_sizes']}, which is not supported under "
-            "FSDP2 (its blocks cut across the row shards); orthogonalize the fused matrix whole"
+            f"MuonFSDPSharding: {where} has split_sizes {layout.split_sizes} along dim 0, which is not supported "
+            "under FSDP2 (its pieces cut across the row shards): route it without a split (MuonConfig "
+            "split_qkv=False, or drop split_sizes/split_parts from the rule that routes it). Splits along the "
+            "columns (transposed=True, GPT-2's Conv1D) and batched expert stacks are supported"
         )
     for p in g["params"]:
-        _check_param(p, where, g["batched"], params[0])
+        _check_param(p, where, layout.batched, params[0])
 
 
 def _check_param(p: Tensor, where: str, batched: bool, first: Tensor) -> None:

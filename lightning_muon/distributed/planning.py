@@ -14,26 +14,20 @@ from dataclasses import dataclass
 
 import torch
 
-from lightning_muon.functional import piece_shapes
+from lightning_muon.layout import MatrixLayout
 from lightning_muon.newton_schulz import ns_flops
 
 __all__ = ["OwnershipPlan", "matrix_shapes", "plan_ownership"]
 
 
-def matrix_shapes(
-    shape: Sequence[int], split_sizes: Sequence[int] | None = None, batched: bool = False, transposed: bool = False
-) -> list[tuple[int, int]]:
-    """The (rows, cols) of every matrix Muon orthogonalizes for a parameter of ``shape``.
+def matrix_shapes(shape: Sequence[int], layout: MatrixLayout | None = None) -> list[tuple[int, int]]:
+    """The (rows, cols) of every matrix Muon orthogonalizes for a parameter of ``shape`` (``layout.matrix_shapes``).
 
-    ``functional.piece_shapes``, with a batch of ``B`` matrices counted as ``B`` matrices:
-    a grouped fused QKV (split sizes summing to a proper divisor of dim 0) gives
-    ``(groups * size_i, cols)`` per piece, the matrices Newton-Schulz really sees.
+    A batch of ``B`` matrices counts as ``B`` matrices; a grouped fused QKV (split sizes
+    summing to a proper divisor of the output axis) gives ``(groups * size_i, cols)`` per
+    piece, the matrices Newton-Schulz really sees.
     """
-    out: list[tuple[int, int]] = []
-    for piece in piece_shapes(shape, split_sizes, batched, transposed):
-        count = piece[0] if len(piece) == 3 else 1
-        out += [(piece[-2], piece[-1])] * count
-    return out
+    return (layout or MatrixLayout()).matrix_shapes(shape)
 
 
 @dataclass(frozen=True)
@@ -64,9 +58,7 @@ def plan_ownership(
     shapes: Sequence[Sequence[int]],
     world_size: int,
     ns_steps: int = 5,
-    split_sizes: Sequence[Sequence[int] | None] | None = None,
-    batched: Sequence[bool] | None = None,
-    transposed: Sequence[bool] | None = None,
+    layouts: Sequence[MatrixLayout] | None = None,
 ) -> OwnershipPlan:
     """Assign each parameter (by shape) to an owner rank, balancing Newton-Schulz FLOPs.
 
@@ -74,22 +66,15 @@ def plan_ownership(
         shapes: the parameters' shapes, in a fixed order shared by every rank.
         world_size: number of ranks.
         ns_steps: Newton-Schulz steps (scales every cost alike; kept for reporting).
-        split_sizes: per parameter, its QKV-style split along dim 0, or None.
-        batched: per parameter, whether it is a batch of matrices.
-        transposed: per parameter, whether it is stored (fan_in, fan_out), split along dim 1.
+        layouts: per parameter, the matrices it holds (``MatrixLayout``); one plain matrix each by default.
     """
     if isinstance(world_size, bool) or not isinstance(world_size, int) or world_size < 1:
         raise ValueError(f"world_size must be a positive int, got {world_size!r}")
     n = len(shapes)
-    split_sizes = list(split_sizes) if split_sizes is not None else [None] * n
-    batched = list(batched) if batched is not None else [False] * n
-    transposed = list(transposed) if transposed is not None else [False] * n
-    if len(split_sizes) != n or len(batched) != n or len(transposed) != n:
-        raise ValueError(f"split_sizes, batched and transposed need one entry per shape ({n})")
-    flops = tuple(
-        sum(ns_flops(r, c, ns_steps) for r, c in matrix_shapes(s, sp, b, t))
-        for s, sp, b, t in zip(shapes, split_sizes, batched, transposed)
-    )
+    layouts = list(layouts) if layouts is not None else [MatrixLayout()] * n
+    if len(layouts) != n:
+        raise ValueError(f"layouts need one entry per shape ({n}), got {len(layouts)}")
+    flops = tuple(sum(ns_flops(r, c, ns_steps) for r, c in matrix_shapes(s, lay)) for s, lay in zip(shapes, layouts))
     numels = tuple(int(torch.Size(s).numel()) for s in shapes)
     load = [0] * world_size
     elements = [0] * world_size

@@ -127,7 +127,7 @@ class Sharding:
     # ------------------------------------------------------------------ the step
 
     def orthogonalize(self, params: list[Tensor], updates: list[Tensor], **ns_kwargs: Any) -> list[list[Tensor]]:
-        """Per update of ``params``, its orthogonalized pieces, shaped like ``functional.matrix_views``.
+        """Per update of ``params``, its orthogonalized pieces, shaped like ``MatrixLayout.views``.
 
         ``ns_kwargs`` are ``functional.muon_orthogonalize``'s keywords. Every rank calls it
         with the same groups in the same order. The default orthogonalizes here what this

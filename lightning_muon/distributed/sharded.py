@@ -35,6 +35,7 @@ from lightning_muon.distributed.overlap import OverlappedReduce
 from lightning_muon.distributed.planning import plan_ownership
 from lightning_muon.distributed.protocol import Sharding
 from lightning_muon.functional import all_finite
+from lightning_muon.layout import layout_of
 from lightning_muon.newton_schulz import DTYPES, dtype_name
 
 __all__ = ["MODES", "MuonSharding"]
@@ -82,9 +83,7 @@ class MuonSharding(Sharding):
         plan = plan_ownership(
             [p.shape for p in params],
             size,  # every group holds the same plan over its S ranks
-            split_sizes=[g["split_sizes"] for g in groups for _ in g["params"]],
-            batched=[g["batched"] for g in groups for _ in g["params"]],
-            transposed=[g["transposed"] for g in groups for _ in g["params"]],
+            layouts=[layout_of(g) for g in groups for _ in g["params"]],
         )
         # Flat send/receive buffers kept across steps: a fresh multi-megabyte tensor per step
         # costs more in page faults than copying into it (measured 7x on CPU).

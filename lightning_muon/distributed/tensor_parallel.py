@@ -57,6 +57,7 @@ from lightning_muon.distributed.planning import plan_ownership
 from lightning_muon.distributed.protocol import Sharding
 from lightning_muon.distributed.tp_math import TP_MODES, long_side_split, newton_schulz_on_shards
 from lightning_muon.functional import muon_orthogonalize
+from lightning_muon.layout import MatrixLayout, layout_of
 from lightning_muon.newton_schulz import resolve_coefficients, resolve_ns_dtype
 
 __all__ = ["DP_DIM", "TP_DIM", "MuonTPSharding", "tp_split_dim"]
@@ -129,7 +130,7 @@ class MuonTPSharding(MuonFSDPSharding):
         plan = plan_ownership(
             [tuple(p.shape) for p in params],
             self.dp_size,
-            batched=[g["batched"] for g in groups for _ in g["params"]],
+            layouts=[layout_of(g) for g in groups for _ in g["params"]],
         )
         self._warned_observer = False
         # The owners are data-parallel ranks; the finiteness agreement spans every rank
@@ -150,7 +151,7 @@ class MuonTPSharding(MuonFSDPSharding):
     @torch.no_grad()
     def orthogonalize(self, params: list[Tensor], updates: list[Tensor], **ns_kwargs) -> list[list[Tensor]]:
         """Per update, its orthogonalized piece as a DTensor placed like the update."""
-        batched, d = ns_kwargs["batched"], self.dp_rank
+        layout, d = ns_kwargs["layout"], self.dp_rank
         shapes = [_tp_local_shape(p, self.tp_size, self.tp_rank) for p in params]  # this tensor-parallel rank's blocks
 
         def compute(mine: list[int], whole: list[Tensor]) -> list[Tensor]:
@@ -168,16 +169,16 @@ class MuonTPSharding(MuonFSDPSharding):
             self.dp_size,
             self.stats_by_dim[DP_DIM],
             compute,
-            lambda i, piece: self._placed_like(piece, updates[i], batched),
+            lambda i, piece: [self._placed_like(piece, updates[i], layout)],
             mismatch=lambda i, shard, expected: (
                 f"MuonTPSharding: a shard of shape {shard} of a {tuple(updates[i].shape)} tensor on data rank {d}; "
                 f"expected {expected} rows of its {shapes[i]} tensor-parallel block"
             ),
         )
 
-    def _placed_like(self, local: Tensor, like: Tensor, batched: bool) -> Tensor:
+    def _placed_like(self, local: Tensor, like: Tensor, layout: MatrixLayout) -> Tensor:
         if like.device_mesh.ndim == 1:  # the FSDP2 case: the piece has the matrix shape
-            return self._as_dtensor(local.reshape(-1, *_matrix_shape(like.shape, batched)[1:]), like, batched)
+            return self._as_dtensor(local, like.device_mesh, _matrix_shape(like.shape, layout))
         return DTensor.from_local(
             local.contiguous(),
             like.device_mesh,
@@ -191,7 +192,7 @@ class MuonTPSharding(MuonFSDPSharding):
         self, params: list[Tensor], updates: list[Tensor], mine: list[int], whole: list[Tensor], ns_kwargs: dict
     ) -> list[Tensor]:
         """Step 2 on the owner: each owned matrix's block of the result, shaped like its block."""
-        batched = ns_kwargs["batched"]
+        layout = ns_kwargs["layout"]
         # Per owned matrix: the dim the tensor dim splits (None: whole here) and the whole shape.
         lay = [_Layout(tp_split_dim(params[i]) if self.tp_size > 1 else None, tuple(params[i].shape)) for i in mine]
         split = [entry.split for entry in lay]
@@ -200,7 +201,7 @@ class MuonTPSharding(MuonFSDPSharding):
         replicated = [k for k, s in enumerate(split) if s is None]
         if replicated:  # whole here already: orthogonalized on every rank of the group
             ortho = muon_orthogonalize(
-                [whole[k].view(_matrix_shape(whole[k].shape, batched)) for k in replicated], **ns_kwargs
+                [whole[k].view(_matrix_shape(whole[k].shape, layout)) for k in replicated], **ns_kwargs
             )
             for k, o in zip(replicated, ortho):
                 out[k] = o[0]
@@ -268,6 +269,11 @@ def _check_tp_param(p: Tensor, group: dict, where: str) -> None:
     if mesh.ndim == 1:
         if placements != (Shard(0),):
             raise ValueError(f"MuonTPSharding: {where}: a 1-D mesh parameter of shape {shape} placed {placements}")
+        if layout_of(group).split_sizes is not None:
+            raise ValueError(
+                f"MuonTPSharding: {where}: split_sizes {layout_of(group).split_sizes} are not supported on a "
+                "tensor-parallel mesh; route the tensor without a split (MuonConfig split_qkv=False)"
+            )
         if group["batched"] and p.ndim > 3:
             raise ValueError(f"MuonTPSharding: {where}: batched tensors with more than 3 dims ({shape})")
         return

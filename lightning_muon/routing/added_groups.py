@@ -45,7 +45,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_muon.algorithms import algorithm_names
-from lightning_muon.param_groups import as_groups, option_names
+from lightning_muon.routing.param_groups import as_groups, option_names
 
 __all__ = ["ModuleRouter", "Router", "flat_router", "split_added_group"]
 

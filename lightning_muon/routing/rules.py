@@ -5,7 +5,8 @@ trainable parameter to the first rule that matches it. User rules come first,
 then the default rules:
 
 1. ``vectors``: 1-D and 0-D parameters (biases, norms, scalars) -> AdamW without
-   weight decay (group ``adamw_no_decay``).
+   weight decay (group ``adamw_no_decay``); ``biases``: every parameter named as a bias
+   (``bias``, ``*_bias``: GPT-OSS's 2-D expert bias stacks), whatever its ndim, likewise.
 2. ``embedding``: weights of ``nn.Embedding`` modules, and anything tied to one
    -> AdamW (group ``adamw``).
 3. ``output_head``: the head -> AdamW (group ``adamw``): the parameters of
@@ -14,6 +15,11 @@ then the default rules:
    ``nn.Linear`` registered in the module.
    If the module offers ``get_classifier()`` (timm), its classifier is the head too (a
    Linear or a 1x1 convolution). With no head found, a warning says so.
+   ``routers``: mixture-of-experts router weights (``experts.find_routers``) -> AdamW
+   (``router_algorithm`` changes it): E outputs read through a per-token softmax.
+   ``expert_stacks``: mixture-of-experts stacks (``experts.find_expert_stacks``) -> Muon as
+   batches of per-expert matrices (``batched=True``, their orientation, the fused gate/up
+   split in two unless ``split_gate_up=False``), groups ``muon_experts*``.
 4. ``token_tables``: tensors whose (dim 0, rest) matrix view has a side of 1, like timm's
    ``pos_embed`` (1, N, D) and ``cls_token`` (1, 1, D), and parameters named as position
    or token tables (``TOKEN_TABLE_NAMES``) -> AdamW: Muon would orthogonalize a vector.
@@ -52,6 +58,9 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_muon.algorithms import get_algorithm, get_algorithm_of_kind, orthogonalizes
+from lightning_muon.layout import MatrixLayout, layout_of
+from lightning_muon.routing.conv1d import TRANSPOSED_MODULES, transposed_weights
+from lightning_muon.routing.experts import EXPERT_ORIENTATIONS, ExpertStack, find_expert_stacks, find_routers, is_bias
 
 __all__ = [
     "DEFAULT_HEAD_NAMES",
@@ -65,9 +74,6 @@ __all__ = [
 ]
 
 DEFAULT_HEAD_NAMES = ("lm_head", "head", "output", "output_layer", "output_projection", "classifier", "fc_out")
-# Module class names whose 2-D ``weight`` is stored (fan_in, fan_out), the transpose of
-# nn.Linear: transformers' Conv1D (GPT-2, GPT-J style). Matched by name: no import needed.
-TRANSPOSED_MODULES = ("Conv1D",)
 # Parameter names of learned position and token tables (timm ViT, DeiT, BEiT, MAE).
 TOKEN_TABLE_NAMES = (
     r"(^|\.)(pos_embed|pos_embedding|position_embeddings?|cls_token|dist_token|reg_token|register_tokens|mask_token)$"
@@ -146,6 +152,11 @@ class Rule:
     """Param group name; defaults to the rule's name. Rules may share a group if they agree."""
     options: dict[str, Any] = field(default_factory=dict)
     """Per-group hyperparameters (``lr``, ``weight_decay``, ``split_sizes``, ...)."""
+    experts: str | None = None
+    """The matched tensors are mixture-of-experts stacks, ``(E, out, in)`` (``"out_in"``) or
+    ``(E, in, out)`` (``"in_out"``): each expert's matrix is orthogonalized alone
+    (``batched=True`` and the orientation; add ``split_parts: 2`` to ``options`` for a fused
+    gate/up of concatenated halves, ``split_sizes: [1, 1]`` for interleaved ones)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.name, str) or not self.name:
@@ -164,6 +175,17 @@ class Rule:
         if "params" in self.options or "algorithm" in self.options:
             raise ValueError(f"Rule {self.name!r}: options may not set 'params' or 'algorithm'")
         _check_option_names(self.name, self.algorithm, self.options)
+        if self.experts is not None:
+            if self.experts not in EXPERT_ORIENTATIONS:
+                raise ValueError(
+                    f"Rule {self.name!r}: experts must be one of {sorted(EXPERT_ORIENTATIONS)} or None, "
+                    f"got {self.experts!r}"
+                )
+            if not orthogonalizes(get_algorithm(self.algorithm).name):
+                raise ValueError(f"Rule {self.name!r}: experts= needs a Muon algorithm, got {self.algorithm!r}")
+            clash = sorted({"batched", "transposed"} & set(self.options))
+            if clash:
+                raise ValueError(f"Rule {self.name!r}: experts= sets {clash} itself; leave them out of options")
         # Dotted paths stay strings (checkpoints keep plain data); they are imported on use.
         _check_importable(self.predicate, "predicate", self.name)
         _check_importable(self.named_predicate, "named_predicate", self.name)
@@ -176,6 +198,13 @@ class Rule:
     @property
     def group_name(self) -> str:
         return self.group or self.name
+
+    @property
+    def group_options(self) -> dict[str, Any]:
+        """The options its group takes: ``options``, and the layout ``experts`` implies."""
+        if self.experts is None:
+            return dict(self.options)
+        return {**self.options, "batched": True, "transposed": EXPERT_ORIENTATIONS[self.experts]}
 
     def matches(self, param: Tensor, name: str, owner: nn.Module | None) -> bool:
         """True when every matcher the rule sets accepts ``param`` (named ``name``)."""
@@ -216,20 +245,28 @@ class ParamGroups(list):
     """The param-group dicts ``Muon`` takes, plus ``assignments`` and ``report()``."""
 
     def __init__(
-        self, groups: Iterable[dict[str, Any]], assignments: dict[str, str], notes: dict[str, str] | None = None
+        self,
+        groups: Iterable[dict[str, Any]],
+        assignments: dict[str, str],
+        notes: dict[str, str] | None = None,
+        experts: dict[str, ExpertStack] | None = None,
     ) -> None:
         super().__init__(groups)
         self.assignments = assignments
         """Parameter name -> the rule that routed it."""
         self.notes = notes or {}
         """Rule name -> how it decided, shown beside it in the report (how the head was found)."""
+        self.experts = experts or {}
+        """Parameter name -> its ``ExpertStack``, for every expert stack routed as one (to Muon)."""
 
     def report(self, max_examples: int = 3) -> str:
         """A table, one row per (group, rule): the algorithm, the layout, tensors, elements and examples.
 
         ``layout`` is ``out,in`` for weights stored like nn.Linear's, ``in,out(T)`` for those
-        stored the other way round (``transposed``), ``-`` for non-Muon groups. Only the
-        examples hold spaces, so the other columns split on whitespace.
+        stored the other way round (``transposed``), ``Ex(...)`` for a batch of ``E`` expert
+        matrices, ``/k`` for ``k`` pieces of a split, ``-`` for non-Muon groups. Only the
+        examples hold spaces, so the other columns split on whitespace. Expert stacks follow
+        the table, one line each: E, the stored shape and the pieces Newton-Schulz sees.
         """
         rows = [("group", "algorithm", "rule", "layout", "tensors", "elements", "examples")]
         for g in self:
@@ -238,7 +275,9 @@ class ParamGroups(list):
                 by_rule.setdefault(self.assignments.get(name, "?"), []).append(j)
             if not by_rule:  # groups built without names
                 by_rule = {"?": list(range(len(g["params"])))}
-            layout = "-" if not orthogonalizes(g) else ("in,out(T)" if g.get("transposed") else "out,in")
+            layout = (
+                "-" if not orthogonalizes(g) else layout_of(g).describe(g["params"][0].shape if g["params"] else None)
+            )
             for rule, idx in by_rule.items():
                 rule = f"{rule}:{self.notes[rule]}" if rule in self.notes else rule
                 names = [g["param_names"][j] for j in idx] if "param_names" in g else []
@@ -247,6 +286,9 @@ class ParamGroups(list):
                 rows.append((g["name"], g["algorithm"], rule, layout, str(len(idx)), f"{elements:,}", examples))
         widths = [max(len(r[i]) for r in rows) for i in range(6)]
         lines = ["  ".join(r[i].ljust(widths[i]) for i in range(6)) + "  " + r[6] for r in rows]
+        if self.experts:
+            lines += [f"Expert stacks ({len(self.experts)}): name  E  stored shape -> pieces (E x rows x cols)"]
+            lines += ["  " + stack.describe() for stack in self.experts.values()]
         return "Muon routing\n" + "\n".join(lines)
 
 
@@ -284,22 +326,36 @@ def _is_token_table(p: Tensor, name: str) -> bool:
     return re.search(TOKEN_TABLE_NAMES, name) is not None
 
 
-def _default_rules(
-    max_aspect_ratio: float | None,
-    embedding_ids: set[int],
-    head_ids: set[int],
-    stem_ids: set[int] | None,
-    transposed_ids: set[int],
-) -> list[Rule]:
+@dataclass(frozen=True)
+class _Found:
+    """What ``route_parameters`` found in the module before matching: ids of tensors by role."""
+
+    embeddings: set[int]
+    head: set[int]
+    stem: set[int] | None
+    transposed: set[int]
+    routers: set[int]
+    stacks: dict[int, ExpertStack]
+
+
+def _default_rules(max_aspect_ratio: float | None, found: _Found, router_algorithm: str | None) -> list[Rule]:
+    no_decay = {"weight_decay": 0.0}
     rules = [
         # Vectors first, so that a head's bias goes without weight decay like every other bias.
-        Rule(name="vectors", algorithm="adamw", group="adamw_no_decay", max_ndim=1, options={"weight_decay": 0.0}),
-        Rule(name="embedding", algorithm="adamw", group="adamw", predicate=lambda p: id(p) in embedding_ids),
-        Rule(name="output_head", algorithm="adamw", group="adamw", predicate=lambda p: id(p) in head_ids),
-        Rule(name="token_tables", algorithm="adamw", group="adamw", named_predicate=_is_token_table),
+        Rule(name="vectors", algorithm="adamw", group="adamw_no_decay", max_ndim=1, options=no_decay),
+        Rule(name="biases", algorithm="adamw", group="adamw_no_decay", named_predicate=_named_bias, options=no_decay),
+        Rule(name="embedding", algorithm="adamw", group="adamw", predicate=lambda p: id(p) in found.embeddings),
+        Rule(name="output_head", algorithm="adamw", group="adamw", predicate=lambda p: id(p) in found.head),
     ]
-    if stem_ids is not None:
-        rules.append(Rule(name="input_layer", algorithm="adamw", group="adamw", predicate=lambda p: id(p) in stem_ids))
+    if found.routers:
+        algorithm = router_algorithm or "adamw"
+        group = "adamw" if router_algorithm is None else f"{get_algorithm(algorithm).name}_routers"
+        rules.append(Rule(name="routers", algorithm=algorithm, group=group, predicate=lambda p: id(p) in found.routers))
+    rules += _expert_rules(found.stacks)
+    rules.append(Rule(name="token_tables", algorithm="adamw", group="adamw", named_predicate=_is_token_table))
+    if found.stem is not None:
+        stem = found.stem
+        rules.append(Rule(name="input_layer", algorithm="adamw", group="adamw", predicate=lambda p: id(p) in stem))
     if max_aspect_ratio is not None:
         rules.append(
             Rule(
@@ -314,11 +370,41 @@ def _default_rules(
             name="hidden_matrices_transposed",
             algorithm="muon",
             group="muon_transposed",
-            predicate=lambda p: id(p) in transposed_ids,
+            predicate=lambda p: id(p) in found.transposed,
             options={"transposed": True},
         )
     )
     rules.append(Rule(name="hidden_matrices", algorithm="muon", group="muon", min_ndim=2))
+    return rules
+
+
+def _named_bias(p: Tensor, name: str) -> bool:
+    return is_bias(name)
+
+
+def _expert_rules(stacks: dict[int, ExpertStack]) -> list[Rule]:
+    """One Muon rule per distinct expert layout: ``muon_experts[_gate_up][_transposed]``."""
+    by_layout: dict[MatrixLayout, set[int]] = {}
+    for pid, stack in stacks.items():
+        by_layout.setdefault(stack.layout, set()).add(pid)
+    names: dict[MatrixLayout, str] = {}
+    for layout in by_layout:
+        kind = "experts" if layout.split_sizes is None else "experts_gate_up"
+        names[layout] = kind + ("_transposed" if layout.transposed else "")
+    rules = []
+    for layout, ids in by_layout.items():
+        name = names[layout]
+        if list(names.values()).count(name) > 1:  # fused gate/up of several sizes: one group per size
+            name += f"_{layout.split_sizes[0]}"
+        rules.append(
+            Rule(
+                name=f"expert_stacks_{name[len('experts_') :]}" if name != "experts" else "expert_stacks",
+                algorithm="muon",
+                group=f"muon_{name}",
+                predicate=lambda p, ids=ids: id(p) in ids,
+                options=layout.options(),
+            )
+        )
     return rules
 
 
@@ -342,6 +428,10 @@ class RoutingConfig:
     """Algorithm of the default rules' non-Muon groups: "adamw", "lion", "adamw_schedulefree" or one registered."""
     matrix_algorithm: str = "muon"
     """Algorithm of the default rules' hidden matrices: "muon" or a registered variant ("muon_hyperball")."""
+    split_gate_up: bool = True
+    """Orthogonalize a mixture-of-experts fused gate/up as two matrices per expert (False: one fused matrix)."""
+    router_algorithm: str | None = None
+    """Algorithm of mixture-of-experts router weights; None keeps them on the scalar algorithm."""
 
     def kwargs(self) -> dict[str, Any]:
         """``route_parameters``' keyword arguments."""
@@ -378,6 +468,8 @@ def route_parameters(
     scalar_algorithm: str = "adamw",
     input_layer: bool = False,
     matrix_algorithm: str = "muon",
+    split_gate_up: bool = True,
+    router_algorithm: str | None = None,
 ) -> ParamGroups:
     """Split ``module``'s trainable parameters into named param groups by ordered rules.
 
@@ -395,6 +487,10 @@ def route_parameters(
         input_layer: send the first convolution or Linear weight (the stem) to AdamW.
         matrix_algorithm: ``"muon"`` or a registered variant of it (``"muon_hyperball"``) for the
             default rules' hidden matrices (group ``muon`` becomes the algorithm's name).
+        split_gate_up: orthogonalize a mixture-of-experts fused gate/up as its two matrices per
+            expert (``experts`` module docstring); False keeps each expert's fused matrix whole.
+        router_algorithm: where the default rules send mixture-of-experts router weights;
+            None: the scalar algorithm (``"muon"`` or a variant sends them to Muon).
 
     Returns:
         ``ParamGroups``: dicts with ``params``, ``param_names``, ``algorithm``, ``name`` and the
@@ -408,22 +504,25 @@ def route_parameters(
     matrix_algorithm = get_algorithm_of_kind(matrix_algorithm, True, "matrix_algorithm").name
     if max_aspect_ratio is not None and not max_aspect_ratio >= 1:
         raise ValueError(f"max_aspect_ratio must be >= 1 or None, got {max_aspect_ratio!r}")
+    if router_algorithm is not None:
+        router_algorithm = get_algorithm(router_algorithm).name
     user_rules = [r if isinstance(r, Rule) else Rule(**r) for r in (rules or [])]
     module = unwrap_module(module)
     owners = {id(p): m for m in module.modules() for p in m.parameters(recurse=False)}
     embedding_ids = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     head_ids, head_how = _head_params(module, tuple(head_names), head_by_position)
-    transposed_ids = {
-        id(m.weight)
-        for m in module.modules()
-        if type(m).__name__ in TRANSPOSED_MODULES
-        and isinstance(getattr(m, "weight", None), Tensor)
-        and m.weight.ndim == 2
-    }
-    stem_ids = _stem_params(module) if input_layer else None
+    stacks = find_expert_stacks(module, split_gate_up)
+    found = _Found(
+        embeddings=embedding_ids,
+        head=head_ids,
+        stem=_stem_params(module) if input_layer else None,
+        transposed=transposed_weights(module),
+        routers=find_routers(module, stacks) - head_ids - embedding_ids,
+        stacks=stacks,
+    )
     defaults = []
     if default_rules:
-        defaults = _default_rules(max_aspect_ratio, embedding_ids, head_ids, stem_ids, transposed_ids)
+        defaults = _default_rules(max_aspect_ratio, found, router_algorithm)
         if not head_ids and any(p.ndim >= 2 for p in module.parameters()):
             warnings.warn(
                 "route_parameters: no output head found (no get_output_embeddings(), get_classifier(), Linear named "
@@ -433,12 +532,17 @@ def route_parameters(
                 stacklevel=2,
             )
     chosen = {"adamw": scalar_algorithm, "muon": matrix_algorithm}  # the default rules' two algorithms
-    defaults = [r if chosen[r.algorithm] == r.algorithm else _with_algorithm(r, chosen[r.algorithm]) for r in defaults]
+    defaults = [
+        r if chosen.get(r.algorithm, r.algorithm) == r.algorithm else _with_algorithm(r, chosen[r.algorithm])
+        for r in defaults
+    ]
     user_names = {id(r) for r in user_rules}
 
     groups: dict[str, dict[str, Any]] = {}
     settings: dict[str, tuple[str, dict]] = {}
     assignments: dict[str, str] = {}
+    routed_stacks: dict[str, ExpertStack] = {}
+    flattened: list[str] = []
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue
@@ -461,7 +565,8 @@ def route_parameters(
                     stacklevel=2,
                 )
         group_name = rule.group_name
-        setting = (algorithm, rule.options)
+        options = rule.group_options
+        setting = (algorithm, options)
         if settings.setdefault(group_name, setting) != setting:
             raise ValueError(
                 f"route_parameters: rules disagree on group {group_name!r}: "
@@ -469,14 +574,36 @@ def route_parameters(
             )
         group = groups.setdefault(
             group_name,
-            {"params": [], "param_names": [], "algorithm": algorithm, "name": group_name, **rule.options},
+            {"params": [], "param_names": [], "algorithm": algorithm, "name": group_name, **options},
         )
         group["params"].append(p)
         group["param_names"].append(name)
         assignments[name] = rule.name
+        if orthogonalizes(algorithm):
+            layout = layout_of(options)
+            if layout.batched:
+                stack = stacks.get(id(p))
+                routed_stacks[name] = (
+                    stack if stack is not None and stack.layout == layout else _user_stack(name, p, layout, rule)
+                )
+            elif p.ndim > 2 and not isinstance(owners.get(id(p)), nn.modules.conv._ConvNd):
+                flattened.append(f"{name} {tuple(p.shape)}")
     if not groups:
         raise ValueError("route_parameters: the module has no trainable parameters")
-    return ParamGroups(groups.values(), assignments, {"output_head": head_how})
+    if flattened:
+        warnings.warn(
+            f"route_parameters: {len(flattened)} tensor(s) with more than 2 dims are neither a conv kernel nor a "
+            f"known expert stack: {', '.join(flattened[:4])}{', ...' if len(flattened) > 4 else ''}. Muon treats "
+            "each as one (dim 0, rest) matrix. If one is a stack of matrices (experts), route it with "
+            "Rule(..., experts='out_in' or 'in_out')",
+            UserWarning,
+            stacklevel=2,
+        )
+    return ParamGroups(groups.values(), assignments, {"output_head": head_how}, routed_stacks)
+
+
+def _user_stack(name: str, p: Tensor, layout: MatrixLayout, rule: Rule) -> ExpertStack:
+    return ExpertStack(name, layout.matrix_form(p.shape)[0], tuple(p.shape), layout, f"rule {rule.name}")
 
 
 def _with_algorithm(rule: Rule, algorithm: str) -> Rule:

@@ -15,7 +15,8 @@ from typing import Any
 
 from lightning_muon.functional import ADJUST_LR_ALIASES, SECOND_MOMENTS
 from lightning_muon.newton_schulz import COEFFICIENTS
-from lightning_muon.routing import TRANSPOSED_MODULES, Rule
+from lightning_muon.routing.conv1d import TRANSPOSED_MODULES
+from lightning_muon.routing.rules import Rule
 
 __all__ = ["MEGATRON_COEFFICIENTS", "MEGATRON_SCALE_MODES", "QKV_NAMES", "map_megatron_names", "split_rules"]
 

@@ -1,0 +1,34 @@
+"""Routing parameters to algorithms: ordered, named rules, and one module per layout family.
+
+- ``rules``: ``Rule``, ``route_parameters``, ``RoutingConfig`` and ``ParamGroups`` (the report);
+- ``conv1d``: weights stored ``(fan_in, fan_out)`` (transformers' ``Conv1D``);
+- ``experts``: mixture-of-experts stacks and their routers;
+- ``megatron``: Megatron-Core's names, and the fused-QKV split rules;
+- ``added_groups``, ``param_groups``, ``checkpoint``: groups added after construction, groups
+  from what a user passes, and the check that a checkpoint was saved with this routing.
+"""
+
+from lightning_muon.routing.conv1d import TRANSPOSED_MODULES
+from lightning_muon.routing.experts import ExpertStack, find_expert_stacks
+from lightning_muon.routing.rules import (
+    DEFAULT_HEAD_NAMES,
+    TOKEN_TABLE_NAMES,
+    ParamGroups,
+    RoutingConfig,
+    Rule,
+    route_parameters,
+    unwrap_module,
+)
+
+__all__ = [
+    "DEFAULT_HEAD_NAMES",
+    "TOKEN_TABLE_NAMES",
+    "TRANSPOSED_MODULES",
+    "ExpertStack",
+    "ParamGroups",
+    "RoutingConfig",
+    "Rule",
+    "find_expert_stacks",
+    "route_parameters",
+    "unwrap_module",
+]

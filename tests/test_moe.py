@@ -1,0 +1,226 @@
+"""Mixture-of-experts models: transformers 5's fused expert stacks get, expert by expert and
+piece by piece, the update Muon gives transformers 4's layout (one ``nn.Linear`` per gate,
+up and down projection of every expert); biases and routers go where the routing says."""
+
+from __future__ import annotations
+
+import warnings
+
+import pytest
+import torch
+from torch import nn
+from torch.testing import assert_close
+from transformers import AutoConfig, AutoModelForCausalLM
+
+from lightning_muon import Muon, Rule, route_parameters
+from lightning_muon.layout import MatrixLayout
+
+pytestmark = [pytest.mark.numerics, pytest.mark.policy_free]
+
+H, INTER, E = 32, 24, 4  # hidden size, expert intermediate size, experts
+COMMON = dict(hidden_size=H, num_attention_heads=4, vocab_size=64, num_experts_per_tok=2)
+CONFIGS = {
+    "mixtral": dict(COMMON, intermediate_size=INTER, num_hidden_layers=1, num_key_value_heads=2, num_local_experts=E),
+    "qwen3_moe": dict(
+        COMMON,
+        intermediate_size=INTER,
+        moe_intermediate_size=INTER,
+        num_hidden_layers=1,
+        num_key_value_heads=2,
+        num_experts=E,
+        head_dim=8,
+    ),
+    "deepseek_v3": dict(
+        COMMON,
+        intermediate_size=48,
+        moe_intermediate_size=INTER,
+        num_hidden_layers=2,
+        first_k_dense_replace=1,
+        num_key_value_heads=4,
+        n_routed_experts=E,
+        n_shared_experts=1,
+        q_lora_rank=16,
+        kv_lora_rank=16,
+        qk_rope_head_dim=4,
+        qk_nope_head_dim=4,
+        v_head_dim=8,
+        n_group=2,
+        topk_group=1,
+    ),
+    "gpt_oss": dict(
+        COMMON, intermediate_size=INTER, num_hidden_layers=1, num_key_value_heads=2, num_local_experts=E, head_dim=8
+    ),
+}
+VARIANTS = {
+    "muon": {},
+    "normuon": dict(second_moment="normuon"),
+    "adamuon": dict(second_moment="adamuon"),
+    "cautious": dict(weight_decay_form="cautious"),
+}
+HP = dict(lr=0.05, weight_decay=0.1, ns_dtype="float32", adjust_lr="original")
+
+
+def tiny(model_type: str) -> nn.Module:
+    torch.manual_seed(0)
+    model = AutoModelForCausalLM.from_config(AutoConfig.for_model(model_type, **CONFIGS[model_type]))
+    with torch.no_grad():
+        for p in model.parameters():  # transformers leaves some stacks uninitialised on CPU
+            p.copy_(torch.randn_like(p) * 0.1)
+    return model
+
+
+def linear_pieces(name: str, w: torch.Tensor, transposed: bool, interleaved: bool) -> list[torch.Tensor]:
+    """Transformers 4's per-expert ``nn.Linear`` weights ``(out, in)`` of one stack, in a fixed order.
+
+    Views where the stack is (out, in) and concatenated; otherwise copies (compared, not stepped).
+    """
+    out = []
+    for e in range(w.shape[0]):
+        m = w[e].T if transposed else w[e]  # (out, in), as nn.Linear stores it
+        if name.endswith("gate_up_proj"):
+            half = m.shape[0] // 2
+            out += [m[0::2], m[1::2]] if interleaved else [m[:half], m[half:]]
+        else:
+            out.append(m)
+    return out
+
+
+def stacks_of(model: nn.Module) -> dict[str, tuple[nn.Parameter, bool, bool]]:
+    """Expert stacks by name: (parameter, transposed, interleaved gate/up), read from the modules."""
+    found = {}
+    for prefix, m in model.named_modules():
+        if hasattr(m, "gate_up_proj") and hasattr(m, "num_experts"):
+            transposed = bool(getattr(m, "is_transposed", False))
+            interleaved = type(m).__name__ == "GptOssExperts"
+            for leaf in ("gate_up_proj", "down_proj"):
+                found[f"{prefix}.{leaf}"] = (getattr(m, leaf), transposed, interleaved)
+    return found
+
+
+@pytest.mark.parametrize("variant", sorted(VARIANTS))
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_expert_stacks_step_like_one_linear_per_expert(model_type, variant):
+    model = tiny(model_type)
+    stacks = stacks_of(model)
+    assert len(stacks) == 2 * (1 if model_type != "deepseek_v3" else 1)
+    groups = route_parameters(model)
+    # Reference: transformers 4's layout, every expert's gate, up and down its own matrix.
+    reference = {
+        name: [nn.Parameter(m.detach().clone()) for m in linear_pieces(name, p.detach(), t, il)]
+        for name, (p, t, il) in stacks.items()
+    }
+    ours = Muon(groups, **HP, **VARIANTS[variant])
+    ref = Muon(
+        [{"params": [q for qs in reference.values() for q in qs], "algorithm": "muon"}], **HP, **VARIANTS[variant]
+    )
+    gen = torch.Generator().manual_seed(1)
+    for _ in range(5):
+        for name, (p, t, il) in stacks.items():
+            g = torch.randn(p.shape, generator=gen)
+            p.grad = g
+            for q, gq in zip(reference[name], linear_pieces(name, g, t, il)):
+                q.grad = gq.contiguous()
+        ours.step()
+        ref.step()
+    for name, (p, t, il) in stacks.items():
+        got = torch.stack([m.contiguous() for m in linear_pieces(name, p.detach(), t, il)])
+        want = torch.stack([q.detach() for q in reference[name]])
+        errors = (got - want).flatten(1).norm(dim=1) / want.flatten(1).norm(dim=1)  # per expert and piece
+        assert errors.max() < 1e-6, (name, errors.max())
+
+
+@pytest.mark.parametrize("model_type", sorted(CONFIGS))
+def test_routing_of_moe_models(model_type):
+    model = tiny(model_type)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")  # no tensor is flattened silently, nothing else warns
+        groups = route_parameters(model)
+    by_name = {n: g for g in groups for n in g["param_names"]}
+    stacks = stacks_of(model)
+    for name, (_, transposed, interleaved) in stacks.items():
+        group = by_name[name]
+        assert group["algorithm"] == "muon" and group["batched"] is True and group["transposed"] is transposed
+        if name.endswith("gate_up_proj"):
+            assert group["split_sizes"] == ((1, 1) if interleaved else (INTER, INTER))
+        else:
+            assert group.get("split_sizes") is None
+        assert groups.experts[name].experts == E
+    for name, _ in model.named_parameters():
+        leaf = name.rsplit(".", 1)[-1]
+        if leaf == "bias" or leaf.endswith("_bias"):
+            assert by_name[name]["name"] == "adamw_no_decay", name  # GPT-OSS's (E, 2I) bias stacks too
+        if ".router." in name or name.endswith("mlp.gate.weight"):
+            assert by_name[name]["algorithm"] == "adamw", name
+    report = groups.report()
+    assert f"Expert stacks ({len(stacks)})" in report
+    for name in stacks:
+        assert f"{name}  E={E}" in report
+    # The pieces' shapes are in the report: E x rows x cols, per piece.
+    gate_up = next(n for n in stacks if n.endswith("gate_up_proj"))
+    piece = f"{E}x{H}x{INTER}" if stacks[gate_up][1] else f"{E}x{INTER}x{H}"
+    assert f"-> {piece} + {piece}" in report
+
+
+def test_router_rule_sends_routers_to_muon_and_gate_up_can_stay_fused():
+    model = tiny("mixtral")
+    groups = route_parameters(model, router_algorithm="muon", split_gate_up=False)
+    by_name = {n: g for g in groups for n in g["param_names"]}
+    assert by_name["model.layers.0.mlp.gate.weight"]["algorithm"] == "muon"
+    assert by_name["model.layers.0.mlp.experts.gate_up_proj"].get("split_sizes") is None
+
+
+def test_user_rule_names_its_own_expert_stacks():
+    class Grouped(nn.Module):  # torchtitan's GroupedExperts shape, without num_experts
+        def __init__(self):
+            super().__init__()
+            self.w1 = nn.Parameter(torch.randn(3, 8, 6))  # (E, out, in)
+            self.w2 = nn.Parameter(torch.randn(3, 6, 8))
+            self.head = nn.Linear(6, 5)
+
+    model = Grouped()
+    with pytest.warns(UserWarning, match=r"neither a conv kernel nor a known expert stack: w1 \(3, 8, 6\)"):
+        route_parameters(model)
+    rule = Rule(name="my_experts", algorithm="muon", names=("w1", "w2"), experts="out_in")
+    groups = route_parameters(model, rules=[rule])
+    (group,) = [g for g in groups if g["name"] == "my_experts"]
+    assert group["batched"] is True and group["transposed"] is False
+    assert groups.experts["w1"].found_by == "rule my_experts"
+    with pytest.raises(ValueError, match="experts must be one of"):
+        Rule(name="bad", algorithm="muon", experts="rows")
+    with pytest.raises(ValueError, match="experts= needs a Muon algorithm"):
+        Rule(name="bad", algorithm="adamw", experts="out_in")
+
+
+def test_torchtitan_style_grouped_experts_are_found():
+    class GroupedExperts(nn.Module):
+        def __init__(self, num_experts=4, dim=8, hidden=12):
+            super().__init__()
+            self.num_experts = num_experts
+            self.w1 = nn.Parameter(torch.randn(num_experts, hidden, dim))
+            self.w2 = nn.Parameter(torch.randn(num_experts, dim, hidden))
+            self.w3 = nn.Parameter(torch.randn(num_experts, hidden, dim))
+
+    class MoE(nn.Module):
+        def __init__(self):
+            super().__init__()
+            self.router = nn.Module()
+            self.router.gate = nn.Linear(8, 4, bias=False)
+            self.experts = GroupedExperts()
+            self.output = nn.Linear(8, 10)
+
+    groups = route_parameters(MoE())
+    by_name = {n: g for g in groups for n in g["param_names"]}
+    for leaf in ("w1", "w2", "w3"):
+        assert by_name[f"experts.{leaf}"]["name"] == "muon_experts"
+    assert sorted(groups.experts) == ["experts.w1", "experts.w2", "experts.w3"]
+
+
+def test_layout_of_gpt_oss_gate_up_cuts_interleaved_columns():
+    w = torch.arange(2 * 3 * 4, dtype=torch.float32).view(2, 3, 4)  # (E, in, out): out = [g0 u0 g1 u1]
+    gate, up = MatrixLayout((1, 1), batched=True, transposed=True).views(w)
+    assert_close(gate, w[..., 0::2])
+    assert_close(up, w[..., 1::2])
+    mixtral = torch.arange(2 * 4 * 3, dtype=torch.float32).view(2, 4, 3)  # (E, out, in): [gate rows | up rows]
+    gate, up = MatrixLayout((2, 2), batched=True).views(mixtral)
+    assert_close(gate, mixtral[:, :2])
+    assert_close(up, mixtral[:, 2:])
