@@ -2,8 +2,8 @@
 
 Every ``import`` and ``from ... import`` statement of a module counts, at module level or
 inside a function (a function-level import is a cycle deferred to run time, not removed),
-except those under ``if TYPE_CHECKING:``, which never run. ``from a.b import c`` counts as an
-import of the module ``a.b.c`` when that is a module, else of ``a.b``. A package's
+and under ``if TYPE_CHECKING:`` too: a type named across layers is a dependency as well.
+``from a.b import c`` counts as an import of the module ``a.b.c`` when that is a module, else of ``a.b``. A package's
 ``__init__`` that Python runs on the way to a submodule does not count: it only re-exports,
 and every module would otherwise sit in a cycle through ``lightning_muon/__init__.py``.
 """
@@ -27,21 +27,11 @@ def _module_names() -> dict[str, Path]:
     return out
 
 
-def _is_type_checking(test: ast.expr) -> bool:
-    return (isinstance(test, ast.Name) and test.id == "TYPE_CHECKING") or (
-        isinstance(test, ast.Attribute) and test.attr == "TYPE_CHECKING"
-    )
-
-
 def _import_nodes(tree: ast.AST) -> list[ast.Import | ast.ImportFrom]:
-    """Every import statement, at any depth, outside ``if TYPE_CHECKING:`` blocks."""
+    """Every import statement, at any depth, ``if TYPE_CHECKING:`` blocks included."""
     found: list[ast.Import | ast.ImportFrom] = []
 
     def visit(node: ast.AST) -> None:
-        if isinstance(node, ast.If) and _is_type_checking(node.test):
-            for child in node.orelse:
-                visit(child)
-            return
         if isinstance(node, (ast.Import, ast.ImportFrom)):
             found.append(node)
         for child in ast.iter_child_nodes(node):
@@ -159,5 +149,6 @@ def test_the_cycle_finder_finds_cycles_and_reads_every_kind_of_import():
         "lightning_muon.routing",
         "lightning_muon.distributed.comm",
         "lightning_muon.newton_schulz",
-        "lightning_muon.schedules",  # function level counts; TYPE_CHECKING does not
+        "lightning_muon.config",  # TYPE_CHECKING counts
+        "lightning_muon.schedules",  # function level counts
     }

@@ -17,18 +17,15 @@ from __future__ import annotations
 import dataclasses
 import weakref
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_muon.algorithms.adamw import Betas, momentum_readout
-from lightning_muon.algorithms.base import Algorithm, register_algorithm
+from lightning_muon.algorithms.base import Algorithm, HparamsSource, register_algorithm
 from lightning_muon.algorithms.checks import check_betas, check_int, check_number, normalize, with_placeholders
 from lightning_muon.algorithms.lion import with_adamw_fallbacks
-
-if TYPE_CHECKING:
-    from lightning_muon.hparams import OptimizerConfig
 
 __all__ = [
     "SCHEDULE_FREE",
@@ -118,8 +115,8 @@ class ScheduleFreeAdamW(Algorithm):
     def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
         return check_schedule_free(values, where, prefix)
 
-    def group_defaults(self, config: OptimizerConfig) -> dict[str, Any]:
-        return with_adamw_fallbacks(dataclasses.asdict(config.adamw_schedulefree), config)
+    def group_defaults(self, config: HparamsSource) -> dict[str, Any]:
+        return with_adamw_fallbacks(dataclasses.asdict(config.hparams_of("adamw_schedulefree")), config)
 
     def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
         knobs = {f.name: group[f.name] for f in dataclasses.fields(ScheduleFreeHparams)}

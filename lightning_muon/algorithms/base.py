@@ -33,7 +33,7 @@ import dataclasses
 import importlib
 import re
 from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar
+from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from torch import Tensor
 
@@ -42,16 +42,25 @@ from lightning_muon.algorithms.checks import HparamError
 if TYPE_CHECKING:
     from torch.optim import Optimizer
 
-    from lightning_muon.hparams import OptimizerConfig
-
 __all__ = [
     "Algorithm",
+    "HparamsSource",
     "algorithm_names",
     "get_algorithm",
     "get_algorithm_of_kind",
     "orthogonalizes",
     "register_algorithm",
 ]
+
+
+class HparamsSource(Protocol):
+    """Where new groups read their defaults: ``hparams.OptimizerConfig`` (named here by shape, not imported:
+    ``hparams`` imports the algorithms)."""
+
+    def hparams_of(self, algorithm: str) -> Any:
+        """The hyperparameters (an ``hparams`` dataclass instance) new groups of ``algorithm`` start from."""
+        ...
+
 
 # Keys a param group always has, whatever its algorithm: no hyperparameter may take them.
 RESERVED_KEYS = frozenset({"params", "algorithm", "name", "param_names"})
@@ -117,7 +126,7 @@ class Algorithm:
         fields = [f.name for f in dataclasses.fields(self.hparams)]
         return dataclasses.asdict(self.make_hparams({k: values[k] for k in fields if k in values}, where, prefix))
 
-    def group_defaults(self, config: OptimizerConfig) -> dict[str, Any]:
+    def group_defaults(self, config: HparamsSource) -> dict[str, Any]:
         """The values a new group of this algorithm starts from: ``config``'s hyperparameters for it."""
         return dataclasses.asdict(config.hparams_of(self.name))
 

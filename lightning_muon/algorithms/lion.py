@@ -16,18 +16,15 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_muon.algorithms.adamw import Betas, momentum_readout
-from lightning_muon.algorithms.base import Algorithm, register_algorithm
+from lightning_muon.algorithms.base import Algorithm, HparamsSource, register_algorithm
 from lightning_muon.algorithms.checks import check_betas, check_number, normalize, with_placeholders
 from lightning_muon.functional import lion_
-
-if TYPE_CHECKING:
-    from lightning_muon.hparams import OptimizerConfig
 
 __all__ = ["LION", "Lion", "LionHparams", "check_lion", "with_adamw_fallbacks"]
 
@@ -56,9 +53,9 @@ def check_lion(group: dict[str, Any], where: str, prefix: str = "") -> dict[str,
     return {"betas": check_betas(group["betas"], where, prefix)}
 
 
-def with_adamw_fallbacks(values: dict[str, Any], config: OptimizerConfig) -> dict[str, Any]:
+def with_adamw_fallbacks(values: dict[str, Any], config: HparamsSource) -> dict[str, Any]:
     """``values`` with an lr or weight decay of None replaced by AdamW's (Lion, Schedule-Free AdamW)."""
-    adamw = config.adamw
+    adamw = config.hparams_of("adamw")
     values["lr"] = adamw.lr if values["lr"] is None else values["lr"]
     values["weight_decay"] = adamw.weight_decay if values["weight_decay"] is None else values["weight_decay"]
     return values
@@ -73,8 +70,8 @@ class Lion(Algorithm):
     def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
         return check_lion(values, where, prefix)
 
-    def group_defaults(self, config: OptimizerConfig) -> dict[str, Any]:
-        return with_adamw_fallbacks(dataclasses.asdict(config.lion), config)
+    def group_defaults(self, config: HparamsSource) -> dict[str, Any]:
+        return with_adamw_fallbacks(dataclasses.asdict(config.hparams_of("lion")), config)
 
     def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
         momentum_readout(group)

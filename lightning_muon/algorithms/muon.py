@@ -26,12 +26,12 @@ from __future__ import annotations
 
 import dataclasses
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any, Literal
+from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from lightning_muon.algorithms.base import Algorithm, register_algorithm
+from lightning_muon.algorithms.base import Algorithm, HparamsSource, register_algorithm
 from lightning_muon.algorithms.checks import HparamError, check_bool, check_choice, check_number, normalize
 from lightning_muon.distributed.tp_math import TP_MODES
 from lightning_muon.functional import (
@@ -54,9 +54,6 @@ from lightning_muon.newton_schulz import (
     dtype_name,
     resolve_coefficients,
 )
-
-if TYPE_CHECKING:
-    from lightning_muon.hparams import OptimizerConfig
 
 __all__ = [
     "AdjustLR",
@@ -238,8 +235,13 @@ class MuonAlgorithm(Algorithm):
     def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
         return check_muon(values, where, prefix)
 
-    def group_defaults(self, config: OptimizerConfig) -> dict[str, Any]:
-        return {**dataclasses.asdict(config.muon), "split_sizes": None, "batched": False, "transposed": False}
+    def group_defaults(self, config: HparamsSource) -> dict[str, Any]:
+        return {
+            **dataclasses.asdict(config.hparams_of("muon")),
+            "split_sizes": None,
+            "batched": False,
+            "transposed": False,
+        }
 
     def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
         resolve_split_parts(group, params, where)

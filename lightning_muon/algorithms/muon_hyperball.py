@@ -34,19 +34,16 @@ from __future__ import annotations
 import dataclasses
 import math
 from dataclasses import dataclass
-from typing import TYPE_CHECKING, Any
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_muon.algorithms.base import register_algorithm
+from lightning_muon.algorithms.base import HparamsSource, register_algorithm
 from lightning_muon.algorithms.checks import HparamError, check_number, normalize
 from lightning_muon.algorithms.muon import MUON, MuonAlgorithm
 from lightning_muon.layout import MatrixLayout, layout_of
-
-if TYPE_CHECKING:
-    from lightning_muon.hparams import OptimizerConfig
 
 __all__ = ["HyperballHparams", "MuonHyperball", "check_hyperball"]
 
@@ -90,7 +87,7 @@ class MuonHyperball(MuonAlgorithm):
     def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
         return {**super().check(values, where, prefix), **check_hyperball(values, where, prefix)}
 
-    def group_defaults(self, config: OptimizerConfig) -> dict[str, Any]:
+    def group_defaults(self, config: HparamsSource) -> dict[str, Any]:
         return {**super().group_defaults(config), **dataclasses.asdict(config.hparams_of(self.name))}
 
     @torch.no_grad()
