@@ -82,12 +82,53 @@ def gpt_preset(name: str, d: int, layers: int, vocab: int, context: int, tied: b
     return ModelShapes(name, muon, other, order)
 
 
+def deepseek_v3_preset() -> ModelShapes:
+    """DeepSeek-V3 (DeepSeek-AI, arXiv 2412.19437; its config.json): d = 7168, 61 layers, MLA attention,
+    3 dense MLPs (18432), then 58 MoE layers of 256 routed experts (I = 2048, fused gate/up split
+    per expert) and 1 shared expert; the routers, embeddings and head to AdamW."""
+    d, inter, dense, experts, vocab = 7168, 2048, 18432, 256, 129280
+    heads, q_lora, kv_lora, nope, rope, v_dim = 128, 1536, 512, 128, 64, 128
+    order: list[tuple[str, int, bool]] = [("embed", vocab * d, False)]
+    shapes: dict[str, Matrix] = {}
+
+    def add(name: str, matrix: Matrix | None = None, numel: int = 0) -> None:
+        if matrix is not None:
+            shapes[name] = matrix
+            numel = math.prod(matrix.shape)
+        order.append((name, numel, matrix is not None))
+
+    for i in range(61):
+        add(f"l{i}.attn_norm", numel=d)
+        add(f"l{i}.q_a", Matrix(f"l{i}.q_a", (q_lora, d)))
+        add(f"l{i}.q_a_norm", numel=q_lora)
+        add(f"l{i}.q_b", Matrix(f"l{i}.q_b", (heads * (nope + rope), q_lora)))
+        add(f"l{i}.kv_a", Matrix(f"l{i}.kv_a", (kv_lora + rope, d)))
+        add(f"l{i}.kv_a_norm", numel=kv_lora)
+        add(f"l{i}.kv_b", Matrix(f"l{i}.kv_b", (heads * (nope + v_dim), kv_lora)))
+        add(f"l{i}.o", Matrix(f"l{i}.o", (d, heads * v_dim)))
+        add(f"l{i}.mlp_norm", numel=d)
+        if i < 3:
+            for name, shape in (("gate", (dense, d)), ("up", (dense, d)), ("down", (d, dense))):
+                add(f"l{i}.{name}", Matrix(f"l{i}.{name}", shape))
+            continue
+        add(f"l{i}.router", numel=experts * d)
+        add(f"l{i}.gate_up", Matrix(f"l{i}.gate_up", (experts, 2 * inter, d), (inter, inter), batched=True))
+        add(f"l{i}.down", Matrix(f"l{i}.down", (experts, d, inter), batched=True))
+        for name, shape in (("shared_gate", (inter, d)), ("shared_up", (inter, d)), ("shared_down", (d, inter))):
+            add(f"l{i}.{name}", Matrix(f"l{i}.{name}", shape))
+    order += [("norm", d, False), ("head", vocab * d, False)]
+    muon = [shapes[n] for n, _, is_muon in order if is_muon]
+    other = [(n, k) for n, k, is_muon in order if not is_muon]
+    return ModelShapes("DeepSeek-V3 (d=7168, 61 layers, 58 MoE x 256 experts)", muon, other, order)
+
+
 PRESETS = {
     # Radford et al. 2019 (GPT-2 small: 124M, tied head); Brown et al. 2020 (GPT-3 XL: 1.3B);
     # a 7B of the same block (d = 4096, 32 layers, as LLaMA-7B's width and depth, untied head).
     "gpt2-small": lambda: gpt_preset("GPT-2 small (d=768, 12 layers)", 768, 12, 50257, 1024, tied=True),
     "1.3b": lambda: gpt_preset("1.3B (d=2048, 24 layers)", 2048, 24, 50257, 2048, tied=True),
     "7b": lambda: gpt_preset("7B (d=4096, 32 layers)", 4096, 32, 32000, 4096, tied=False),
+    "deepseek-v3": deepseek_v3_preset,
 }
 
 
@@ -210,7 +251,7 @@ def ns_flops_of(m: Matrix, steps: int, method: str, dtype: torch.dtype) -> int:
 def plan_for(shapes: ModelShapes, ranks: int, fsdp: bool = False):
     """``plan_ownership`` as ``MuonSharding`` (or, with ``fsdp``, ``MuonFSDPSharding``) calls it."""
     if fsdp:
-        layouts = [MatrixLayout(batched=m.batched) for m in shapes.muon]
+        layouts = [MatrixLayout(m.split_sizes, m.batched, m.transposed) for m in shapes.muon]
         return plan_ownership([m.stored for m in shapes.muon], ranks, layouts=layouts)
     layouts = [MatrixLayout(m.split_sizes, m.batched, m.transposed) for m in shapes.muon]
     return plan_ownership([m.shape for m in shapes.muon], ranks, layouts=layouts)
@@ -303,21 +344,23 @@ def fsdp_counts(
 
     Every matrix is sharded in ``torch.chunk`` row blocks (``shard_rows``); in owner mode each
     rank sends its rows of every matrix it does not own to the owner, and each owner sends
-    every other rank its rows of the results. Blockwise mode orthogonalizes each rank's own
-    rows and sends nothing but the step check (3 int64, all-reduced).
+    every other rank its rows of the results. An expert stack (``batched``) is sharded by whole
+    experts: each rank orthogonalizes its own experts and sends nothing for it. Blockwise mode
+    orthogonalizes each rank's own rows and sends nothing but the step check (3 int64,
+    all-reduced).
     """
     W, topo = world, Topology(world, ranks_per_node)
     plan = plan_for(shapes, W, fsdp=True)
     rows = [shard_rows(m.stored[0], W) for m in shapes.muon]
     cols = [math.prod(m.stored[1:]) for m in shapes.muon]
-    flops = [
-        ns_flops_of(replace(m, split_sizes=None, transposed=False), ns_steps, ns_method, ns_dtype) for m in shapes.muon
-    ]
+    flops = [ns_flops_of(m, ns_steps, ns_method, ns_dtype) for m in shapes.muon]
+    local = {i for i, m in enumerate(shapes.muon) if m.batched}  # whole experts on every rank
+    owners = {i: o for i, o in enumerate(plan.owners) if i not in local}
     everyone = list(range(W))
     check = collective_split(everyone, 0, topo, 24.0, 2.0)
     # Row blocks of each owner's matrices, per destination rank: what the owner sends back.
     owner_rows: dict[int, dict[int, float]] = {}
-    for i, o in enumerate(plan.owners):
+    for i, o in owners.items():
         per = owner_rows.setdefault(o, {r: 0.0 for r in everyone})
         for r in everyone:
             per[r] += rows[i][r] * cols[i] * wire_bytes
@@ -325,9 +368,9 @@ def fsdp_counts(
     back = {o: NodeSums(per, topo) for o, per in owner_rows.items()}
     out = []
     for q in everyone:
-        mine = [i for i, o in enumerate(plan.owners) if o == q]
+        mine = [i for i, o in owners.items() if o == q]
         sends: dict[int, float] = {}
-        for i, o in enumerate(plan.owners):
+        for i, o in owners.items():
             if o != q:
                 sends[o] = sends.get(o, 0.0) + rows[i][q] * cols[i] * wire_bytes
         to_owner = NodeSums(sends, topo).split(q)
@@ -338,15 +381,19 @@ def fsdp_counts(
         t.add("from_owner", *from_owner, recv=to_owner)
         t.add("step_check", *check)
         blocks = [
-            replace(m, shape=(rows[i][q], *m.stored[1:]), split_sizes=None, transposed=False)
+            replace(m, shape=(rows[i][q], *m.stored[1:]))
+            if m.batched
+            else replace(m, shape=(rows[i][q], *m.stored[1:]), split_sizes=None, transposed=False)
             for i, m in enumerate(shapes.muon)
             if rows[i][q]
         ]
+        # A stack's experts all cost the same: this rank's share is its experts' count.
+        experts = sum(flops[i] * rows[i][q] // shapes.muon[i].stored[0] for i in local)
         out.append(
             _entry(
                 q,
                 t,
-                ns_flops_owner=sum(flops[i] for i in mine),
+                ns_flops_owner=sum(flops[i] for i in mine) + experts,
                 ns_flops_blockwise=sum(ns_flops_of(b, ns_steps, ns_method, ns_dtype) for b in blocks),
                 local_elements=sum(rows[i][q] * cols[i] for i in range(len(rows))),
             )

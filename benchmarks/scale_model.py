@@ -140,6 +140,7 @@ def run_model(
             "params": shapes.total_numel,
             "muon_params": shapes.muon_numel,
             "matrices": len(shapes.muon),
+            "expert_stacks": sum(m.batched for m in shapes.muon),
             "worlds": per_world,
         }
     return results
@@ -169,8 +170,32 @@ def print_tables(results: dict, p: Profile, tokens: float) -> None:
                 )
         print()
     print_tp_tables(results)
+    print_expert_tables(results)
     print()
     print_targets(results)
+
+
+def print_expert_tables(results: dict) -> None:
+    """For models with expert stacks: the busiest rank's Newton-Schulz over its fair share (total / W), and bytes."""
+    moe = {k: r for k, r in results.items() if r.get("expert_stacks")}
+    if not moe:
+        return
+    print(
+        "\n== expert stacks: busiest rank's Newton-Schulz / fair share (total / W), and GB sent by the busiest rank =="
+    )
+    print(
+        f"{'preset':<12} {'W':>5} {'muon_ddp NS/fair':>17} {'muon_ddp GB':>12} "
+        f"{'muon_fsdp NS/fair':>18} {'muon_fsdp GB':>13}"
+    )
+    for key, res in moe.items():
+        for W, rows in res["worlds"].items():
+            fair = rows["ddp_replicated"]["ns_flops_busiest"] / W  # replicated: every rank does the total
+            ddp, fsdp = rows["muon_ddp_today"], rows["fsdp_owner"]
+            print(
+                f"{key:<12} {W:>5} {ddp['ns_flops_busiest'] / fair:>17.2f} "
+                f"{(ddp['intra_bytes'] + ddp['inter_bytes']) / 1e9:>12.2f} {fsdp['ns_flops_busiest'] / fair:>18.2f} "
+                f"{(fsdp['intra_bytes'] + fsdp['inter_bytes']) / 1e9:>13.2f}"
+            )
 
 
 def print_targets(results: dict) -> None:

@@ -154,6 +154,10 @@ class MuonConfig:
     """Without a named head, treat the last nn.Linear as the head."""
     input_layer: bool = False
     """Send the first convolution or Linear weight (a convnet's stem) to AdamW."""
+    split_gate_up: bool = True
+    """Mixture-of-experts fused gate/up stacks: orthogonalize gate and up apart, per expert (False: fused)."""
+    router_algorithm: str | None = None
+    """Mixture-of-experts router weights: None keeps them on the scalar optimizer; "muon" sends them to Muon."""
     # --- schedule ------------------------------------------------------------------------
     falloff: Falloff = _SCHEDULE.falloff
     """lr falloff after warmup and stable: constant, linear, cosine, wsd, inverse_sqrt."""
@@ -183,6 +187,11 @@ class MuonConfig:
         map_megatron_names(self)
         get_algorithm_of_kind(self.scalar_optimizer, False, "MuonConfig.scalar_optimizer")
         get_algorithm_of_kind(self.matrix_optimizer, True, "MuonConfig.matrix_optimizer")
+        if self.router_algorithm is not None:
+            try:
+                get_algorithm(self.router_algorithm)
+            except ValueError as err:
+                raise ValueError(f"MuonConfig.router_algorithm: {err}") from None
         if self.max_aspect_ratio is not None and not self.max_aspect_ratio >= 1:
             raise ValueError(f"MuonConfig.max_aspect_ratio must be >= 1 or None, got {self.max_aspect_ratio!r}")
         self.__dict__["_composed"] = _compose(self)  # kept until a field is set again
@@ -353,6 +362,8 @@ def _compose(config: MuonConfig) -> tuple[OptimizerConfig, RoutingConfig, Schedu
         input_layer=config.input_layer,
         scalar_algorithm=config.scalar_optimizer,
         matrix_algorithm=config.matrix_optimizer,
+        split_gate_up=config.split_gate_up,
+        router_algorithm=config.router_algorithm,
     )
     return optimizer, routing, schedule
 

@@ -161,6 +161,7 @@ class Muon(Optimizer):
         """The settings, checked, as one config per algorithm."""
         self.nonfinite = config.nonfinite
         self._sharding: Sharding | None = None
+        self._mesh_checked = False  # whether the first step looked for DTensors without a sharding
         self._update_hooks = UpdateHooks()
         self._router: Router | None = None
         self._finite = FiniteChecks(self)
@@ -243,6 +244,8 @@ class Muon(Optimizer):
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
         """One optimizer step over every group; ``closure`` re-evaluates the loss."""
+        if self._sharding is None and not self._mesh_checked:
+            self._attach_mesh_sharding()
         algorithms = self._algorithms()
         for algorithm, groups in algorithms.values():
             algorithm.prepare_step(self, groups)  # before the closure (Schedule-Free: refuse eval mode)
@@ -329,6 +332,24 @@ class Muon(Optimizer):
         if sharding is not None and sharding.optimizer is not self:
             raise ValueError("Muon.attach_sharding: the sharding was built for another optimizer")
         self._sharding = sharding
+
+    def _attach_mesh_sharding(self) -> None:
+        """Muon matrices that are DTensors and no sharding: attach ``MuonTPSharding`` (exact, owners per mesh).
+
+        That is Lightning's own ``ModelParallelStrategy``, or a loop of one's own around
+        ``fully_shard`` (with or without tensor or expert parallelism): Newton-Schulz needs
+        whole matrices, which a DTensor's local shard is not. Every rank takes its first
+        step together, so every rank attaches it at the same point.
+        """
+        from torch.distributed.tensor import DTensor
+
+        self._mesh_checked = True
+        muon = [p for g in self.param_groups if get_algorithm(g["algorithm"]).orthogonalizes for p in g["params"]]
+        if not any(isinstance(p, DTensor) for p in muon):
+            return
+        from lightning_muon.distributed.tensor_parallel import MuonTPSharding
+
+        MuonTPSharding(self)
 
     def register_update_hook(self, hook: UpdateHook) -> RemovableHandle:
         """Call ``hook(group, params, updates, ortho)`` on every Muon update; returns a handle to remove it.

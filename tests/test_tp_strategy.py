@@ -189,10 +189,12 @@ def test_checkpoint_resumes_on_other_meshes(launch):
 @pytest.mark.slow
 def test_plain_model_parallel_strategy_cannot_clip(launch):
     ranks, _, _, _, _, _ = launch
-    # torch 2.13: the per-parameter norms live on the 1-D and the 2-D mesh and cannot be joined.
+    # torch 2.13: the per-parameter norms live on the 1-D and the 2-D mesh and cannot be joined
+    # (torch's clip_grad_norm_ stacks them). Without clipping the same strategy trains: Muon
+    # attaches MuonTPSharding at its first step (tests/test_expert_parallel.py).
     for rank in ranks:
         error = rank[-1]["error"]
-        assert "Sharding propagation failed" in error and "cross mesh" in error, error
+        assert "Sharding propagation failed" in error and ("cross mesh" in error or "same mesh" in error), error
 
 
 @pytest.mark.slow

@@ -185,18 +185,27 @@ class MuonFSDPSharding(Sharding):
         if self.mode == "blockwise" or layout.batched:
             # Blockwise: each rank's rows alone (an approximation). Batched: each rank's rows
             # are whole matrices (experts), so this is exact and sends nothing.
-            self._warn_unobserved(
-                "blockwise mode never holds a whole matrix"
-                if self.mode == "blockwise"
-                else "batched stacks are orthogonalized where their experts live, without owners"
-            )
-            local = [self.local_shard(u).contiguous() for u in updates]
-            filled = [i for i, u in enumerate(local) if u.numel()]  # an empty shard stays empty
-            ortho = [layout.views(u) for u in local]
-            for i, o in zip(filled, muon_orthogonalize([local[i] for i in filled], **ns_kwargs)):
-                ortho[i] = o
-            return [self._pieces_as_dtensors(o, u, layout) for o, u in zip(ortho, updates)]
+            return self._orthogonalize_here(updates, ns_kwargs)
         return self._orthogonalize_by_owner(params, updates, ns_kwargs)
+
+    def _orthogonalize_here(self, updates: list[Tensor], ns_kwargs: dict) -> list[list[Tensor]]:
+        """Each rank orthogonalizes the matrices of its own local tensors; nothing is sent.
+
+        Exact for expert stacks sharded over their experts only (whole matrices on every rank),
+        an approximation in blockwise mode.
+        """
+        layout = ns_kwargs["layout"]
+        self._warn_unobserved(
+            "blockwise mode never holds a whole matrix"
+            if self.mode == "blockwise"
+            else "batched stacks are orthogonalized where their experts live, without owners"
+        )
+        local = [self.local_shard(u).contiguous() for u in updates]
+        filled = [i for i, u in enumerate(local) if u.numel()]  # an empty shard stays empty
+        ortho = [layout.views(u) for u in local]
+        for i, o in zip(filled, muon_orthogonalize([local[i] for i in filled], **ns_kwargs)):
+            ortho[i] = o
+        return [self._pieces_as_dtensors(o, u, layout) for o, u in zip(ortho, updates)]
 
     def _warn_unobserved(self, why: str) -> None:
         if self.optimizer.has_update_hooks and not self._warned_observer:
@@ -257,11 +266,25 @@ class MuonFSDPSharding(Sharding):
         )
 
     def _pieces_as_dtensors(self, local_pieces: list[Tensor], like: Tensor, layout: MatrixLayout) -> list[Tensor]:
-        """``Shard(0)`` DTensors of the pieces of ``like`` (a global tensor) from this rank's rows of each."""
-        return [
-            self._as_dtensor(piece, like.device_mesh, shape)
-            for piece, shape in zip(local_pieces, layout.piece_shapes(like.shape))
-        ]
+        """DTensors of the pieces of ``like`` (a DTensor sharded on dim 0 only) from this rank's rows of each.
+
+        Each piece is placed as ``like`` is: its dim 0 holds the same rows (or experts).
+        """
+        out = []
+        for piece, shape in zip(local_pieces, layout.piece_shapes(like.shape)):
+            shape = torch.Size(shape)
+            local = piece.reshape(-1, *shape[1:]) if len(shape) > 1 else piece
+            out.append(
+                DTensor.from_local(
+                    local.contiguous(),
+                    like.device_mesh,
+                    like.placements,
+                    run_check=False,
+                    shape=shape,
+                    stride=_strides(shape),
+                )  # fmt: skip
+            )
+        return out
 
     def _as_dtensor(self, local: Tensor, mesh, shape: Sequence[int]) -> Tensor:
         """A ``Shard(0)`` DTensor of global ``shape`` with ``local`` as this rank's rows."""

@@ -150,8 +150,15 @@ class MuonTPSharding(MuonFSDPSharding):
 
     @torch.no_grad()
     def orthogonalize(self, params: list[Tensor], updates: list[Tensor], **ns_kwargs) -> list[list[Tensor]]:
-        """Per update, its orthogonalized piece as a DTensor placed like the update."""
+        """Per update, its orthogonalized pieces as DTensors placed like the update.
+
+        Expert stacks (``batched``) are sharded over their experts only, on either mesh dim
+        (expert parallelism: ``Shard(0)`` on the tensor dim): every rank holds whole experts
+        and orthogonalizes them where they are, sending nothing.
+        """
         layout, d = ns_kwargs["layout"], self.dp_rank
+        if layout.batched:
+            return self._orthogonalize_here(updates, ns_kwargs)
         shapes = [_tp_local_shape(p, self.tp_size, self.tp_rank) for p in params]  # this tensor-parallel rank's blocks
 
         def compute(mine: list[int], whole: list[Tensor]) -> list[Tensor]:
@@ -266,14 +273,15 @@ def _check_tp_param(p: Tensor, group: dict, where: str) -> None:
             "DTensor (apply fully_shard on the data-parallel mesh to the module that holds it)"
         )
     mesh, placements = p.device_mesh, tuple(p.placements)
+    layout = layout_of(group)
+    if layout.split_sizes is not None and not layout.batched:
+        raise ValueError(
+            f"MuonTPSharding: {where}: split_sizes {layout.split_sizes} are not supported on a tensor-parallel "
+            "mesh (only expert stacks may be split); route the tensor without a split (MuonConfig split_qkv=False)"
+        )
     if mesh.ndim == 1:
         if placements != (Shard(0),):
             raise ValueError(f"MuonTPSharding: {where}: a 1-D mesh parameter of shape {shape} placed {placements}")
-        if layout_of(group).split_sizes is not None:
-            raise ValueError(
-                f"MuonTPSharding: {where}: split_sizes {layout_of(group).split_sizes} are not supported on a "
-                "tensor-parallel mesh; route the tensor without a split (MuonConfig split_qkv=False)"
-            )
         if group["batched"] and p.ndim > 3:
             raise ValueError(f"MuonTPSharding: {where}: batched tensors with more than 3 dims ({shape})")
         return
@@ -295,7 +303,14 @@ def _check_tp_param(p: Tensor, group: dict, where: str) -> None:
             f"MuonTPSharding: {where}: a parameter of shape {shape} placed {placements}; expected {expected} on "
             "the data dim (apply parallelize_module first, then fully_shard on the data-parallel mesh)"
         )
-    if split is not None and (p.ndim != 2 or group["batched"] or group["split_sizes"] is not None):
+    if group["batched"]:
+        if split not in (None, 0) or p.ndim != 3:
+            raise ValueError(
+                f"MuonTPSharding: {where}: an expert stack of shape {shape} placed {placements} must be 3-D and "
+                "split on the tensor dim along its experts (dim 0, expert parallelism) or not at all"
+            )
+        return
+    if split is not None and (p.ndim != 2 or group["split_sizes"] is not None):
         raise ValueError(
             f"MuonTPSharding: {where}: a tensor-parallel parameter of shape {shape} must be a 2-D matrix "
             "without split_sizes or batched"
