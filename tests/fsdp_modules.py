@@ -38,6 +38,7 @@ SHAPES: dict[str, tuple[tuple[int, ...], str]] = {
     "qkv_t": ((5, 12), "split_t"),  # GPT-2's c_attn with split_qkv: (fan_in, fan_out), q | k | v columns
     "gate_up": ((3, 8, 5), "gate_up"),  # Mixtral's experts: (E, [gate | up], in), NorMuon per expert
     "oss_gate_up": ((3, 5, 8), "oss_gate_up"),  # GPT-OSS's: (E, in, out), gate and up interleaved
+    "hb_experts": ((3, 6, 4), "hb_experts"),  # muon_hyperball: every expert on its own sphere
     "lone": ((7, 5), "lone"),  # its own group: one owner, the other ranks own nothing in that call
     "normed": ((6, 5), "normuon"),
     "bias": ((5,), "adamw"),
@@ -77,6 +78,7 @@ def _groups(params: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
             "split_sizes": [1, 1],
             "weight_decay_form": "cautious",
         },
+        {"params": pick("hb_experts"), "algorithm": "muon_hyperball", "name": "hb_experts", "batched": True},
         # spectral_norm scales by sqrt(rows / cols): a shard's row count would give another lr.
         {"params": pick("lone"), "algorithm": "muon", "name": "lone", "adjust_lr": "spectral_norm"},
         {

@@ -125,7 +125,7 @@ def test_sharding_equals_one_process(reference, reference_bf16, world):
     # counted in fp32 bytes (Newton-Schulz runs in fp32 here, so the wire does too). A batch
     # of experts is sharded by whole experts: each rank orthogonalizes its own and sends nothing.
     owners = exact["owners"]
-    local = {n for n, (_, kind) in SHAPES.items() if kind in ("batched", "gate_up", "oss_gate_up")}
+    local = {n for n, (_, kind) in SHAPES.items() if kind in ("batched", "gate_up", "oss_gate_up", "hb_experts")}
     for rank, result in enumerate(ranks):
         to_owner = from_owner = 0
         for name, owner in owners.items():

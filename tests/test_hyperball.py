@@ -63,7 +63,7 @@ def test_split_matrices_are_orthogonalized_apart_and_normalized_together():
 
 
 def test_every_kind_of_parameter_stays_on_its_sphere():
-    """A matrix, a conv, a batch of experts (one norm over the batch) and a channels_last conv."""
+    """A matrix, a conv, a batch of experts (each expert on its own sphere) and a channels_last conv."""
     torch.manual_seed(0)
     params = [
         nn.Parameter(torch.randn(6, 5)),
@@ -72,6 +72,7 @@ def test_every_kind_of_parameter_stays_on_its_sphere():
         nn.Parameter(torch.randn(4, 3, 3, 3).to(memory_format=torch.channels_last)),
     ]
     before = [_norm(p) for p in params]
+    experts_before = [_norm(e) for e in params[2]]
     opt = Muon(
         [
             {"params": [params[0], params[1], params[3]], "algorithm": HB},
@@ -86,6 +87,7 @@ def test_every_kind_of_parameter_stays_on_its_sphere():
         opt.step()
     for p, norm in zip(params, before):
         assert _norm(p) == pytest.approx(norm, rel=1e-6)
+    assert [_norm(e) for e in params[2]] == pytest.approx(experts_before, rel=1e-6)
     assert params[3].is_contiguous(memory_format=torch.channels_last)
 
 

@@ -56,6 +56,10 @@ VARIANTS = {
     "normuon": dict(second_moment="normuon"),
     "adamuon": dict(second_moment="adamuon"),
     "cautious": dict(weight_decay_form="cautious"),
+    "hyperball": dict(algorithm="muon_hyperball"),  # each expert's gate, up and down on its own sphere
+    "hyperball-radius": dict(
+        algorithm="muon_hyperball", algorithm_defaults={"muon_hyperball": {"hyperball_radius": 2.0}}
+    ),
 }
 HP = dict(lr=0.05, weight_decay=0.1, ns_dtype="float32", adjust_lr="original")
 
@@ -102,17 +106,18 @@ def stacks_of(model: nn.Module) -> dict[str, tuple[nn.Parameter, bool, bool]]:
 def test_expert_stacks_step_like_one_linear_per_expert(model_type, variant):
     model = tiny(model_type)
     stacks = stacks_of(model)
-    assert len(stacks) == 2 * (1 if model_type != "deepseek_v3" else 1)
-    groups = route_parameters(model)
+    assert len(stacks) == 2
+    algorithm = VARIANTS[variant].get("algorithm", "muon")
+    options = {k: v for k, v in VARIANTS[variant].items() if k != "algorithm"}
+    groups = route_parameters(model, matrix_algorithm=algorithm)
     # Reference: transformers 4's layout, every expert's gate, up and down its own matrix.
     reference = {
         name: [nn.Parameter(m.detach().clone()) for m in linear_pieces(name, p.detach(), t, il)]
         for name, (p, t, il) in stacks.items()
     }
-    ours = Muon(groups, **HP, **VARIANTS[variant])
-    ref = Muon(
-        [{"params": [q for qs in reference.values() for q in qs], "algorithm": "muon"}], **HP, **VARIANTS[variant]
-    )
+    ours = Muon(groups, **HP, **options)
+    reference_group = {"params": [q for qs in reference.values() for q in qs], "algorithm": algorithm}
+    ref = Muon([reference_group], **HP, **options)
     gen = torch.Generator().manual_seed(1)
     for _ in range(5):
         for name, (p, t, il) in stacks.items():

@@ -10,8 +10,11 @@ parameter ``W``, after the decoupled decay ``W <- W (1 - lr wd)``::
     W <- R W / max(||W||_F, eps)                    eps = hyperball_eps = 1e-8
 
 so each step turns ``W`` on the sphere of radius ``R`` by a relative step of about ``lr``.
-The norms span the whole parameter (every piece of a fused QKV split, every matrix of a
-batch), as NVIDIA's implementation takes ``p.norm()``; ``adjust_lr`` and
+The norms span the whole parameter (every piece of a fused QKV split), as NVIDIA's
+implementation takes ``p.norm()``, except in an expert stack (``batched``): it stands for
+separate per-expert matrices (transformers 4's one ``nn.Linear`` per expert and
+projection), so every matrix of the batch, and every piece of a split one (gate, up), keeps
+its own sphere, as those ``nn.Linear`` would; ``adjust_lr`` and
 ``extra_scale_factor`` scale ``O`` before it is normalized and so change nothing. With
 ``R = ||W||_F`` a weight decay shrinks the radius by ``(1 - lr wd)`` per step; with a fixed
 radius it does nothing. A parameter whose norm is 0 has no direction to keep and is refused.
@@ -107,8 +110,14 @@ class MuonHyperball(MuonAlgorithm):
         if radius is not None:
             # Onto the sphere before the first step: a parameter without state has not stepped yet
             # (a resumed one has, and is on it already; rescaling it again would only round it).
+            layout, local = layout_of(group), _local_view(optimizer)
             for p in params:
-                if not optimizer.state[p]:
+                if optimizer.state[p]:
+                    continue
+                if layout.batched:  # every matrix of the stack to its own sphere (whole experts are local)
+                    for slot in _updated_slots(local(p), layout):
+                        slot.mul_(radius / _per_matrix_sq(slot).sqrt().clamp_min(group["hyperball_eps"]).view(_b(slot)))
+                else:
                     p.mul_(radius / max(_whole_norm(p), group["hyperball_eps"]))
         super().step_group(optimizer, group, params, grads)
 
@@ -119,8 +128,12 @@ class MuonHyperball(MuonAlgorithm):
         if group["weight_decay"] != 0.0:
             torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
         sharding = optimizer.sharding
-        local = sharding.local_shard if sharding is not None else (lambda t: t)
+        local = _local_view(optimizer)
         layout = layout_of(group)
+        if layout.batched:
+            for p, pieces in zip(params, ortho):
+                _per_matrix_update(local(p), [local(o) for o in pieces], layout, lr, eps, radius)
+            return
         # (K, 3): ||W||^2, <W, O>, ||O||^2 over this rank's part of each parameter
         parts = [_partial_sums(local(p.detach()), [local(o) for o in os], layout) for p, os in zip(params, ortho)]
         sums = torch.stack(parts)
@@ -136,6 +149,51 @@ class MuonHyperball(MuonAlgorithm):
             target.mul_(R / max(new_norm, eps))
             if target is not p:
                 p.copy_(target)
+
+
+def _local_view(optimizer: Any):
+    sharding = optimizer.sharding
+    return sharding.local_shard if sharding is not None else (lambda t: t)
+
+
+def _b(slot: Tensor) -> tuple[int, ...]:
+    """The shape that broadcasts one value per matrix (dim 0) over a slot."""
+    return (slot.shape[0],) + (1,) * (slot.ndim - 1)
+
+
+def _per_matrix_sq(slot: Tensor, other: Tensor | None = None) -> Tensor:
+    """Per matrix (dim 0 of a slot), ``sum(slot * other)`` (``||slot||^2`` without ``other``), in float32 at least."""
+    work = torch.promote_types(slot.dtype, torch.float32)
+    x = slot.to(work)
+    y = x if other is None else other.to(work)
+    return (x * y).sum(dim=tuple(range(1, slot.ndim)))
+
+
+def _updated_slots(w: Tensor, layout: MatrixLayout) -> list[Tensor]:
+    """Writable slots of ``w`` with the batch as dim 0: this rank's whole expert matrices."""
+    if not w.is_contiguous():
+        raise ValueError("muon_hyperball: an expert stack must be contiguous")
+    return layout.slots(w)
+
+
+def _per_matrix_update(
+    w: Tensor, pieces: list[Tensor], layout: MatrixLayout, lr: float, eps: float, radius: float | None
+) -> None:
+    """The hyperball step of every matrix of an expert stack, each on its own sphere (module docstring).
+
+    ``w`` and ``pieces`` are this rank's whole experts (a DDP owner's stack, an FSDP2 or
+    expert-parallel shard over the experts), so every norm is complete here: no reduction.
+    """
+    if w.numel() == 0:
+        return
+    for slot, o in zip(_updated_slots(w, layout), pieces):
+        o = o.reshape(slot.shape)
+        ww, wo, oo = _per_matrix_sq(slot), _per_matrix_sq(slot, o), _per_matrix_sq(o)  # (B,) each
+        R = ww.sqrt() if radius is None else torch.full_like(ww, radius)
+        c = lr * R / oo.sqrt().clamp_min(eps)  # W <- W - c O is W - lr (R O / max(||O||, eps))
+        new_norm = (ww - 2.0 * c * wo + c * c * oo).clamp_min(0.0).sqrt()
+        slot.sub_((c.view(_b(slot)) * o.to(c.dtype)).to(slot.dtype))
+        slot.mul_((R / new_norm.clamp_min(eps)).view(_b(slot)).to(slot.dtype))
 
 
 def _partial_sums(w: Tensor, pieces: list[Tensor], layout: MatrixLayout) -> Tensor:
