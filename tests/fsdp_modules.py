@@ -12,6 +12,7 @@ Two kinds of worker:
 
 from __future__ import annotations
 
+import math
 import os
 import warnings
 from pathlib import Path
@@ -224,19 +225,41 @@ class Block(nn.Module):
         return x + self.down(torch.tanh(self.up(self.norm(x))))
 
 
-class Net(nn.Module):
-    """Blocks of Linear layers with uneven row counts (5 and 2 rows on 2 and 3 ranks)."""
+class Experts(nn.Module):
+    """Mixture-of-experts stacks in transformers 5's layout: ``gate_up_proj`` ``(E, 2I, W)`` (gate rows,
+    then up rows) and ``down_proj`` ``(E, W, I)``; every sample goes to every expert, weighted."""
 
-    def __init__(self) -> None:
+    def __init__(self, width: int, inter: int, experts: int) -> None:
+        super().__init__()
+        self.num_experts = experts
+        self.gate_up_proj = nn.Parameter(torch.randn(experts, 2 * inter, width) / math.sqrt(width))
+        self.down_proj = nn.Parameter(torch.randn(experts, width, inter) / math.sqrt(inter))
+
+    def forward(self, x: torch.Tensor, weights: torch.Tensor) -> torch.Tensor:
+        gate, up = torch.einsum("nw,eow->neo", x, self.gate_up_proj).chunk(2, dim=-1)  # (N, E, I) each
+        y = torch.einsum("nei,ewi->new", nn.functional.silu(gate) * up, self.down_proj)  # (N, E, W)
+        return (y * weights.unsqueeze(-1)).sum(1)
+
+
+class Net(nn.Module):
+    """Blocks of Linear layers with uneven row counts (5 and 2 rows on 2 and 3 ranks), and 3 experts
+    (whole experts per rank: 2 and 1 on 2 ranks, 1 each on 3)."""
+
+    def __init__(self, experts: bool = True) -> None:
         super().__init__()
         self.inp = nn.Linear(6, WIDTH)
         self.blocks = nn.ModuleList([Block(WIDTH, 5), Block(WIDTH, 2)])
+        if experts:
+            self.router = nn.Linear(WIDTH, 3, bias=False)
+            self.experts = Experts(WIDTH, 4, 3)
         self.head = nn.Linear(WIDTH, 3)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
         h = self.inp(x)
         for block in self.blocks:
             h = block(h)
+        if hasattr(self, "experts"):
+            h = h + self.experts(h, self.router(h).softmax(-1))
         return self.head(h)
 
 
@@ -253,11 +276,11 @@ class FSDPRegressor(MuonModuleMixin, pl.LightningModule):
     It has no ``configure_model``: the strategy's default sharding applies.
     """
 
-    def __init__(self, muon_config: MuonConfig | None = None, accumulate: int = 1):
+    def __init__(self, muon_config: MuonConfig | None = None, accumulate: int = 1, experts: bool = True):
         super().__init__()
         self.save_hyperparameters()
         torch.manual_seed(0)
-        self.net = Net()
+        self.net = Net(experts)
 
     def train_dataloader(self):
         world, rank = self.trainer.world_size, self.trainer.global_rank
@@ -326,7 +349,7 @@ def fit_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, An
 
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes made outside Lightning
     cls = SelfShardingRegressor if spec.get("shard_itself") else FSDPRegressor
-    model = cls(CONFIG, accumulate=spec["accumulate"])
+    model = cls(CONFIG, accumulate=spec["accumulate"], experts=spec.get("experts", True))
     callbacks = []
     if spec.get("save_every"):
         callbacks.append(
@@ -350,4 +373,5 @@ def fit_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, An
         "bytes": dict(sharding.stats.bytes),
         "fsdp_units": [name for name, m in model.named_modules() if isinstance(m, FSDPModule)],
         "default_units": trainer.strategy.default_units,
+        "groups": {g["name"]: g.get("param_names") for g in trainer.optimizers[0].param_groups},
     }

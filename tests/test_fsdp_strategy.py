@@ -181,9 +181,11 @@ def test_sharding_equals_one_process(reference, reference_bf16, world):
         assert failures["disagree"].startswith("RuntimeError") and "disagree" in failures["disagree"], failures
 
 
-def _reference_fit(root, world: int, accumulate: int, clip: float, precision: str, steps: int) -> dict:
+def _reference_fit(
+    root, world: int, accumulate: int, clip: float, precision: str, steps: int, experts: bool = True
+) -> dict:
     """One process, plain tensors: ``world * accumulate`` micro-batches per step, as the ranks cut them."""
-    model = FSDPRegressor(CONFIG, accumulate=world * accumulate)
+    model = FSDPRegressor(CONFIG, accumulate=world * accumulate, experts=experts)
     trainer = pl.Trainer(
         devices=1,
         enable_checkpointing=False,
@@ -220,6 +222,10 @@ def test_fit_two_ranks_equals_one_process(two_rank_fit):
     assert ranks[0]["default_units"] == ["net.blocks.0", "net.blocks.1", "net"]
     assert ranks[0]["fsdp_units"] == ["net", "net.blocks.0", "net.blocks.1"]
     assert {"to_owner", "from_owner"} <= set(ranks[0]["bytes"])
+    # The expert stacks route per expert (gate and up apart) and the router to AdamW.
+    assert ranks[0]["groups"]["muon_experts_gate_up"] == ["net.experts.gate_up_proj"]
+    assert ranks[0]["groups"]["muon_experts"] == ["net.experts.down_proj"]
+    assert "net.router.weight" in ranks[0]["groups"]["adamw"]
     _assert_params_close(ranks[0]["params"], reference, **FP32)
     # A distributed checkpoint: a folder with one shard file per rank.
     saved = root / "ckpt" / f"epoch={SAVED_AT - 1}-step={SAVED_AT}.ckpt"
@@ -246,11 +252,15 @@ def test_resume_at_another_world_size_continues_exactly(two_rank_fit, world):
 
 @pytest.mark.slow
 def test_bf16_mixed_module_that_shards_itself(tmp_path):
-    spec = dict(root=tmp_path, max_steps=STEPS_FIT, accumulate=2, clip=0.3, precision="bf16-mixed", shard_itself=True)
+    # Without the experts: this is about a module sharding itself, under bf16 autocast.
+    spec = dict(
+        root=tmp_path, max_steps=STEPS_FIT, accumulate=2, clip=0.3, precision="bf16-mixed", shard_itself=True,
+        experts=False,
+    )  # fmt: skip
     ranks = run_distributed(fit_worker, 2, spec)
     assert ranks[0]["default_units"] == []  # configure_model's sharding was kept
     assert ranks[0]["fsdp_units"] == ["net", "net.blocks.0", "net.blocks.1"]
-    reference = _reference_fit(tmp_path / "one", 2, 2, 0.3, "bf16-mixed", STEPS_FIT)
+    reference = _reference_fit(tmp_path / "one", 2, 2, 0.3, "bf16-mixed", STEPS_FIT, experts=False)
     # Each micro-batch runs on the same samples in both runs, and the loss scales (1/2, 1/4)
     # are powers of two, so the first step's gradients agree to fp32 rounding. From then on
     # weights differing in the last fp32 bits round to different bf16 values now and then
