@@ -153,3 +153,25 @@ def test_litgpt_example_runs_on_two_fabric_processes(tmp_path):
         steps, losses = zip(*report["curves"][name])
         assert steps == (0, 2, 4) and all(math.isfinite(v) for v in losses)
     assert report["curves"]["muon"][0] == report["curves"]["adamw"][0]  # the same initial model
+
+
+@pytest.mark.distributed
+def test_moe_example_runs_on_two_fsdp_processes(tmp_path):
+    # A transformers Mixtral (fused expert stacks) under muon_fsdp on 2 gloo processes, one lr each, 4 steps.
+    out = tmp_path / "run"
+    args = ("--strategy", "muon_fsdp", "--devices", "2", "--max-steps", "4", "--eval-every", "2",
+            "--val-samples", "16", "--muon-lr", "0.02", "--adamw-lr", "0.003", "--out", str(out))  # fmt: skip
+    stdout = _run(str(ROOT / "examples/moe/main.py"), *args, cwd=tmp_path)
+    # The routing report, once (rank 0): each stack a batch of per-expert matrices, gate and up apart.
+    assert stdout.count("Expert stacks (4)") == 1
+    assert "model.model.layers.0.mlp.experts.gate_up_proj  E=4  (4, 256, 64)" in stdout
+    assert "4x128x64 + 4x128x64" in stdout and "muon_experts " in stdout
+    assert f"loss curves: {out / 'loss_curves.png'}" in stdout
+    assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
+    report = json.loads((out / "report.json").read_text())
+    assert report["where"].endswith("2 process(es), strategy muon_fsdp")
+    assert [(r["name"], r["lr"], r["steps"]) for r in report["runs"]] == [
+        ("muon", 0.02, [2, 4]),
+        ("adamw", 0.003, [2, 4]),
+    ]
+    assert all(math.isfinite(v) for r in report["runs"] for v in r["val_loss"])
