@@ -1,0 +1,216 @@
+"""Benchmark: Muon bytes and Newton-Schulz FLOPs per rank for mixture-of-experts layers, at W ranks.
+
+A MoE layer set (``--layers`` layers, each a fused ``gate_up_proj`` ``(E, 2I, H)`` split per
+expert into gate and up, a ``down_proj`` ``(E, H, I)``, and one dense attention-like
+``(H, H)`` matrix) for E = 8 and 64, under the two data-parallel shardings, on the same W
+processes:
+
+- ``muon_ddp``: ``MuonSharding`` on whole tensors (reduce_scatter mode): the owner plan
+  gives each stack to one rank, balancing Newton-Schulz FLOPs counted per expert;
+- ``muon_fsdp``: ``MuonFSDPSharding`` on ``Shard(0)`` DTensors: every rank holds whole
+  experts of every stack and orthogonalizes them where they are (no Muon bytes for them);
+  the dense matrices go to owners.
+
+Measured per rank and step, by wrapping the calls themselves (``counting.py``): bytes sent
+by the shardings' collectives (``to_owner``/``from_owner``, ``reduce_scatter``/``all_gather``,
+the finiteness check), and the Newton-Schulz FLOPs actually run. Printed beside them: the
+scale model's prediction for the same shapes (``scale_counts.ddp_counts`` /
+``fsdp_counts``), and the busiest rank's FLOPs over the fair share (total / W).
+
+Usage::
+
+    python benchmarks/bench_moe.py              # E = 8 and 64, 2 layers, H = 64, I = 32, 2 ranks
+    python benchmarks/bench_moe.py --quick      # E = 8 and 64, 1 layer, H = 32, I = 16 (smoke test)
+    python benchmarks/bench_moe.py --world-size 3
+"""
+
+from __future__ import annotations
+
+import argparse
+import sys
+from dataclasses import asdict, dataclass
+from pathlib import Path
+from typing import Any
+
+import torch
+from torch import nn
+
+sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness is a sibling script
+import scale_counts as sc
+from counting import NSCounter, WireCounter
+from harness import describe_machine, machine_line, run_ranks, table, write_report
+
+from lightning_muon import Muon
+
+DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_moe.json"
+WIRE_OPS = ("all_to_all_single", "all_reduce", "all_gather_into_tensor")
+STEPS = 2
+# Not Muon's traffic: the finiteness agreement and DDP's own buckets (none here).
+CHECKS = ("nonfinite_flag", "step_check", "ddp_buckets")
+EXPERTS = (8, 64)
+
+
+@dataclass(frozen=True)
+class Settings:
+    world_size: int = 2
+    layers: int = 2
+    hidden: int = 64
+    inter: int = 32
+    experts: tuple[int, ...] = EXPERTS
+
+
+def layer_set(s: Settings, experts: int) -> dict[str, tuple[tuple[int, ...], dict[str, Any]]]:
+    """Name -> (shape, layout group keys) of the Muon tensors, in registration order."""
+    out = {}
+    for i in range(s.layers):
+        out[f"l{i}.attn"] = ((s.hidden, s.hidden), {})
+        out[f"l{i}.gate_up"] = ((experts, 2 * s.inter, s.hidden), {"batched": True, "split_sizes": (s.inter, s.inter)})
+        out[f"l{i}.down"] = ((experts, s.hidden, s.inter), {"batched": True})
+    return out
+
+
+def model_shapes(s: Settings, experts: int) -> sc.ModelShapes:
+    """The same tensors as the scale model sees them."""
+    muon = [
+        sc.Matrix(name, shape, keys.get("split_sizes"), keys.get("batched", False))
+        for name, (shape, keys) in layer_set(s, experts).items()
+    ]
+    order = [(m.name, int(torch.Size(m.shape).numel()), True) for m in muon]
+    return sc.ModelShapes(f"MoE E={experts}", muon, [], order)
+
+
+def _optimizer(params: dict[str, nn.Parameter], s: Settings, experts: int) -> Muon:
+    groups: dict[tuple, dict[str, Any]] = {}
+    for name, (_, keys) in layer_set(s, experts).items():
+        key = tuple(sorted(keys.items()))
+        groups.setdefault(key, {"params": [], "algorithm": "muon", **keys})["params"].append(params[name])
+    return Muon(list(groups.values()), lr=0.02, ns_dtype="float32")
+
+
+def _rank_main(rank: int, w: int, s: Settings) -> dict[str, Any]:
+    from torch.distributed.device_mesh import init_device_mesh
+    from torch.distributed.tensor import Shard, distribute_tensor
+
+    from lightning_muon.distributed.fsdp import MuonFSDPSharding
+    from lightning_muon.distributed.sharded import MuonSharding
+
+    wire, ns = WireCounter(rank, w, WIRE_OPS), NSCounter("cpu")
+    wire.install()
+    ns.install()
+    mesh = init_device_mesh("cpu", (w,))
+    out: dict[str, Any] = {"rank": rank}
+    for experts in s.experts:
+        shapes = layer_set(s, experts)
+        gen = torch.Generator().manual_seed(0)
+        full = {n: torch.randn(shape, generator=gen) for n, (shape, _) in shapes.items()}
+        grads = [{n: torch.randn(shape, generator=gen) for n, (shape, _) in shapes.items()} for _ in range(STEPS)]
+        for config in ("muon_ddp", "muon_fsdp"):
+            phase = f"{config}/E={experts}"
+            if config == "muon_ddp":
+                params = {n: nn.Parameter(t.clone()) for n, t in full.items()}
+                opt = _optimizer(params, s, experts)
+                sharding = MuonSharding(opt)
+            else:
+                params = {n: nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for n, t in full.items()}
+                opt = _optimizer(params, s, experts)
+                sharding = MuonFSDPSharding(opt)
+            for step in range(STEPS):
+                for n, p in params.items():
+                    g = grads[step][n]
+                    p.grad = distribute_tensor(g, mesh, [Shard(0)]) if config == "muon_fsdp" else g.clone()
+                wire.phase = ns.phase = phase
+                sharding.reduce_gradients() if config == "muon_ddp" else None
+                opt.step()
+                wire.phase = ns.phase = None
+            out[phase] = {
+                "bytes": {k: v / STEPS for k, v in wire.bytes.get(phase, {}).items()},
+                "sharding_bytes": {k: v / STEPS for k, v in sharding.stats.bytes.items()},
+                "ns_flops": ns.flops[phase] / STEPS,
+                "ns_matrices": ns.matrices[phase] / STEPS,
+            }
+    return out
+
+
+def predicted(s: Settings, experts: int, config: str) -> list[dict[str, Any]]:
+    shapes = model_shapes(s, experts)
+    dtype = torch.float32
+    if config == "muon_ddp":
+        ranks = sc.ddp_counts(shapes, s.world_size, s.world_size, s.world_size, ns_dtype=dtype)["ranks"]
+        return [{"bytes": r["bytes"], "ns_flops": r["ns_flops"]} for r in ranks]
+    ranks = sc.fsdp_counts(shapes, s.world_size, s.world_size, wire_bytes=4, ns_dtype=dtype)["ranks"]
+    return [{"bytes": r["bytes"], "ns_flops": r["ns_flops_owner"]} for r in ranks]
+
+
+def summarize(s: Settings, ranks: list[dict[str, Any]]) -> tuple[list[list[Any]], dict[str, Any]]:
+    rows, report = [], {}
+    for experts in s.experts:
+        for config in ("muon_ddp", "muon_fsdp"):
+            phase = f"{config}/E={experts}"
+            measured = [r[phase] for r in ranks]
+            model = predicted(s, experts, config)
+            total = sum(m["ns_flops"] for m in measured)
+            busiest = max(m["ns_flops"] for m in measured)
+            for r, (m, p) in enumerate(zip(measured, model)):
+                muon_bytes = sum(v for k, v in m["sharding_bytes"].items() if k not in CHECKS)
+                model_bytes = sum(v for k, v in p["bytes"].items() if k not in CHECKS)
+                rows.append(
+                    [
+                        config,
+                        experts,
+                        r,
+                        f"{muon_bytes / 1e3:.1f}",
+                        f"{model_bytes / 1e3:.1f}",
+                        f"{m['ns_flops'] / 1e6:.1f}",
+                        f"{p['ns_flops'] / 1e6:.1f}",
+                        f"{m['ns_matrices']:.0f}",
+                        f"{busiest / (total / s.world_size):.2f}" if r == 0 else "",
+                    ]
+                )
+            report[phase] = {
+                "measured": measured,
+                "predicted": model,
+                "busiest_over_fair": busiest / (total / s.world_size),
+            }
+    return rows, report
+
+
+HEADERS = [
+    "sharding",
+    "E",
+    "rank",
+    "Muon kB/step",
+    "predicted kB",
+    "NS MFLOP/step",
+    "predicted MFLOP",
+    "matrices",
+    "busiest/fair",
+]
+
+
+def main(argv: list[str] | None = None) -> int:
+    parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
+    parser.add_argument("--quick", action="store_true", help="1 layer, H = 32, I = 16 (smoke test)")
+    parser.add_argument("--world-size", type=int, default=2, help="gloo ranks (default 2)")
+    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
+    args = parser.parse_args(argv)
+    if args.world_size < 2:
+        parser.error("--world-size must be at least 2")
+    s = Settings(world_size=args.world_size, **(dict(layers=1, hidden=32, inter=16) if args.quick else {}))
+    machine = describe_machine("cpu")
+    ranks = run_ranks(_rank_main, s.world_size, s)
+    rows, report = summarize(s, ranks)
+    title = (
+        f"{s.layers} layer(s) of gate_up (E, {2 * s.inter}, {s.hidden}) split per expert, down (E, {s.hidden}, "
+        f"{s.inter}), attn ({s.hidden}, {s.hidden}); {s.world_size} ranks (gloo), fp32"
+    )
+    print(f"== bench_moe: {title} ==")
+    print(f"machine: {machine_line(machine)}")
+    print(table(HEADERS, rows))
+    print("(Muon kB: the sharding's own collectives per step, the finiteness check left out; busiest/fair: the")
+    print(" busiest rank's Newton-Schulz FLOPs over total / W)")
+    write_report(args.out, {"settings": asdict(s), "machine": machine, "ranks": ranks, "summary": report})
+    return 0
+
+
+if __name__ == "__main__":
+    raise SystemExit(main())
