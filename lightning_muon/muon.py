@@ -20,12 +20,12 @@ from lightning_muon.algorithms import (
     get_algorithm,
 )
 from lightning_muon.algorithms.muon import AdjustLR
-from lightning_muon.attachments import UpdateHook, UpdateHooks
 from lightning_muon.hparams import NonFinite, OptimizerConfig
 from lightning_muon.nonfinite import FiniteChecks
 from lightning_muon.routing.added_groups import split_added_group
 from lightning_muon.routing.checkpoint import check_checkpoint_routing
 from lightning_muon.routing.param_groups import algorithm_of, as_groups, group_label, option_names, split_named_params
+from lightning_muon.update_hooks import UpdateHook, UpdateHooks
 
 if TYPE_CHECKING:
     from lightning_muon.distributed.protocol import Sharding
