@@ -69,11 +69,19 @@ def layer_set(s: Settings, experts: int) -> dict[str, tuple[tuple[int, ...], dic
     return out
 
 
+def _by_group(s: Settings, experts: int) -> list[tuple[str, tuple[int, ...], dict[str, Any]]]:
+    """The tensors in the optimizer's order: one param group per layout, in first-use order."""
+    groups: dict[tuple, list] = {}
+    for name, (shape, keys) in layer_set(s, experts).items():
+        groups.setdefault(tuple(sorted(keys.items())), []).append((name, shape, keys))
+    return [entry for members in groups.values() for entry in members]
+
+
 def model_shapes(s: Settings, experts: int) -> sc.ModelShapes:
-    """The same tensors as the scale model sees them."""
+    """The same tensors as the scale model sees them, in the order the sharding plans them."""
     muon = [
         sc.Matrix(name, shape, keys.get("split_sizes"), keys.get("batched", False))
-        for name, (shape, keys) in layer_set(s, experts).items()
+        for name, shape, keys in _by_group(s, experts)
     ]
     order = [(m.name, int(torch.Size(m.shape).numel()), True) for m in muon]
     return sc.ModelShapes(f"MoE E={experts}", muon, [], order)
@@ -81,7 +89,7 @@ def model_shapes(s: Settings, experts: int) -> sc.ModelShapes:
 
 def _optimizer(params: dict[str, nn.Parameter], s: Settings, experts: int) -> Muon:
     groups: dict[tuple, dict[str, Any]] = {}
-    for name, (_, keys) in layer_set(s, experts).items():
+    for name, _, keys in _by_group(s, experts):
         key = tuple(sorted(keys.items()))
         groups.setdefault(key, {"params": [], "algorithm": "muon", **keys})["params"].append(params[name])
     return Muon(list(groups.values()), lr=0.02, ns_dtype="float32")

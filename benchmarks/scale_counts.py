@@ -23,7 +23,7 @@ import torch
 
 from lightning_muon.distributed.comm import all_reduce_bytes
 from lightning_muon.distributed.fsdp import shard_rows
-from lightning_muon.distributed.planning import matrix_shapes, plan_ownership
+from lightning_muon.distributed.planning import expert_blocks, matrix_shapes, plan_ownership
 from lightning_muon.layout import MatrixLayout
 from lightning_muon.newton_schulz import ns_flops, resolve_ns_method
 
@@ -248,13 +248,21 @@ def ns_flops_of(m: Matrix, steps: int, method: str, dtype: torch.dtype) -> int:
     )
 
 
-def plan_for(shapes: ModelShapes, ranks: int, fsdp: bool = False):
-    """``plan_ownership`` as ``MuonSharding`` (or, with ``fsdp``, ``MuonFSDPSharding``) calls it."""
-    if fsdp:
+def plan_for(shapes: ModelShapes, ranks: int, fsdp: bool = False, spread: set[int] = frozenset(), spread_blocks=None):
+    """``plan_ownership`` as ``MuonSharding`` (or, with ``fsdp``, ``MuonFSDPSharding``) calls it.
+
+    ``spread``: indices of expert stacks ``MuonSharding`` splits by experts over every rank.
+    """
+    if fsdp:  # expert stacks stay where FSDP2 put their experts: no owner
         layouts = [MatrixLayout(m.split_sizes, m.batched, m.transposed) for m in shapes.muon]
-        return plan_ownership([m.stored for m in shapes.muon], ranks, layouts=layouts)
+        return plan_ownership(
+            [m.stored for m in shapes.muon], ranks, layouts=layouts, spread=[m.batched for m in shapes.muon]
+        )
     layouts = [MatrixLayout(m.split_sizes, m.batched, m.transposed) for m in shapes.muon]
-    return plan_ownership([m.shape for m in shapes.muon], ranks, layouts=layouts)
+    spread_flags = [i in spread for i in range(len(shapes.muon))]
+    return plan_ownership(
+        [m.shape for m in shapes.muon], ranks, layouts=layouts, spread=spread_flags, spread_blocks=spread_blocks
+    )
 
 
 def _entry(q: int, t: RankTraffic, **extra: Any) -> dict[str, Any]:
@@ -277,7 +285,8 @@ def ddp_counts(
     Owner groups of ``group_size`` ranks (``group_size == world``: today's design): ranks
     ``[g S, (g + 1) S)`` form group g and share one plan over S ranks. Collective names are
     ``MuonSharding``'s (``CommStats``): ``reduce_scatter`` (uneven all-to-all of the Muon
-    gradients to their owners inside the group, one extra flag element per parameter),
+    gradients to their owners inside the group, one extra flag element per unit: a whole
+    matrix, or an expert stack's block of experts, each rank of the group owning one block),
     ``reduce_across`` (the owner's gradients and flags all-reduced with the same local rank
     of every other group), ``all_gather`` (owners send their new matrices to the rest of the
     group), ``nonfinite_flag`` (one fp32 all-reduce over the world), and ``ddp_buckets``
@@ -288,11 +297,21 @@ def ddp_counts(
     if S < 1 or W % S:
         raise ValueError(f"group_size must divide the world size {W}, got {S}")
     topo = Topology(W, ranks_per_node)
-    plan = plan_for(shapes, S)
+    # Expert stacks are split by experts over the S ranks (torch.chunk blocks), the rest planned whole.
+    stacks = [i for i, m in enumerate(shapes.muon) if m.batched and len(m.shape) == 3 and S > 1]
+    blocks = expert_blocks([shapes.muon[i].shape[0] for i in stacks], S)
+    split = {i: [rows for _, rows in per_rank] for i, per_rank in zip(stacks, blocks)}
+    plan = plan_for(shapes, S, spread=set(split), spread_blocks=blocks)
     flops = [ns_flops_of(m, ns_steps, ns_method, ns_dtype) for m in shapes.muon]
     owned = [plan.owned(r) for r in range(S)]
-    elems = [plan.elements(r) for r in range(S)]
-    payload = [elems[r] + len(owned[r]) for r in range(S)]  # gradients + one flag per parameter
+    numel = [math.prod(m.shape) for m in shapes.muon]
+    elems = [
+        sum(numel[i] for i in owned[r])
+        + sum(numel[i] // shapes.muon[i].shape[0] * rows[r] for i, rows in split.items())
+        for r in range(S)
+    ]
+    units = [len(owned[r]) + sum(1 for rows in split.values() if rows[r]) for r in range(S)]
+    payload = [elems[r] + units[r] for r in range(S)]  # gradients + one flag per unit
     non_muon = sum(n for _, n in shapes.other)
     world_ranks = list(range(W))
     flag = collective_split(world_ranks, 0, topo, 4.0, 2.0)  # the same on every rank
@@ -322,9 +341,10 @@ def ddp_counts(
                 _entry(
                     q,
                     t,
-                    ns_flops=sum(flops[i] for i in owned[lq]),
+                    ns_flops=sum(flops[i] for i in owned[lq])
+                    + sum(flops[i] * rows[lq] // shapes.muon[i].shape[0] for i, rows in split.items()),
                     owned_elements=elems[lq],
-                    owned_matrices=len(owned[lq]),
+                    owned_matrices=units[lq],
                 )
             )
     return {"plan": plan, "ranks": out}

@@ -27,7 +27,7 @@ from scale_counts import (
 )
 from scale_profiles import Profile
 
-from lightning_muon.distributed.planning import plan_ownership
+from lightning_muon.distributed.planning import expert_blocks, plan_ownership
 from lightning_muon.distributed.tp_math import tp_bytes, tp_ns_flops
 from lightning_muon.layout import MatrixLayout
 
@@ -101,6 +101,13 @@ def _muon_bucket_seconds(shapes: ModelShapes, plan, indices: list[int], S: int, 
     payload = [
         sum(math.prod(shapes.muon[i].shape) + 1 for i, o in zip(indices, owners) if o == r) * eb for r in range(S)
     ]
+    spread = [i for i, o in enumerate(plan.owners) if o == -1]  # expert stacks over the group, every rank a block
+    blocks = dict(zip(spread, expert_blocks([shapes.muon[i].shape[0] for i in spread], S)))
+    for i in indices:
+        if i in blocks:
+            shape = shapes.muon[i].shape
+            for r, (_, rows) in enumerate(blocks[i]):
+                payload[r] += (math.prod(shape[1:]) * rows + (1 if rows else 0)) * eb
     to_owner = NodeSums({r: payload[r] for r in range(S)}, topo)
     members = NodeSums({r: 1.0 for r in range(S)}, topo)
     a2a = max(a2a_seconds(to_owner.split(q), tuple(n * payload[q] for n in members.split(q)), p) for q in range(S))

@@ -256,9 +256,15 @@ class Muon(Optimizer):
         work = [(group, *self._collect(i, group)) for i, group in enumerate(self.param_groups)]
         if not self._finite.grads_finite(work):
             return loss
-        for group, params, grads in work:
-            if params:
-                algorithms[group["algorithm"]][0].step_group(self, group, params, grads)
+        if self._sharding is not None:
+            self._sharding.lend_state()  # a part of a parameter steps under its own state key
+        try:
+            for group, params, grads in work:
+                if params:
+                    algorithms[group["algorithm"]][0].step_group(self, group, params, grads)
+        finally:
+            if self._sharding is not None:
+                self._sharding.return_state()
         for algorithm, groups in algorithms.values():
             algorithm.finish_step(self, groups)
         if self._sharding is not None:
@@ -268,12 +274,14 @@ class Muon(Optimizer):
     def _collect(self, index: int, group: dict) -> tuple[list[Tensor], list[Tensor]]:
         params, grads = [], []
         for j, p in enumerate(group["params"]):
+            if self._sharding is not None:
+                p = self._sharding.stepped(p)  # p, the part of it this rank steps (experts), or None
+                if p is None:
+                    continue  # another rank orthogonalizes it and sends the result
             # An empty tensor (a zero-width layer) has nothing to update; skipping it also keeps
             # it out of the inf-norm check and the adjust_lr ratio, which both fail on size 0.
             if p.grad is None or p.numel() == 0:
                 continue
-            if self._sharding is not None and not self._sharding.owns(p):
-                continue  # another rank orthogonalizes it and sends the result
             if p.grad.is_sparse:
                 raise ValueError(f"param group {index}, parameter {j}: sparse gradients are not supported")
             if p.grad.is_complex():

@@ -78,9 +78,11 @@ class FiniteChecks:
         out = []
         for i, group in enumerate(self.optimizer.param_groups):
             for j, p in enumerate(group["params"]):
+                if sharding is not None:
+                    p = sharding.stepped(p)  # p, the part of it this rank steps, or None
+                    if p is None:
+                        continue
                 if p.grad is None or p.numel() == 0:
-                    continue
-                if sharding is not None and not sharding.owns(p):
                     continue
                 g = p.grad if sharding is None else sharding.local_shard(p.grad)
                 if g.numel():

@@ -24,6 +24,8 @@ class TinyRegressor(MuonModuleMixin, pl.LightningModule):
         inject_inf: ``(rank, step)``: after backward on that rank (-1: every rank) and step,
             put an inf into the gradient of a Muon matrix another rank owns.
         dump_dir: where each rank writes its final parameters (``rank<r>.pt``).
+        experts: a mixture-of-experts layer of that many experts (transformers 5's fused stacks
+            and a router) after the hidden layers.
     """
 
     def __init__(
@@ -36,6 +38,7 @@ class TinyRegressor(MuonModuleMixin, pl.LightningModule):
         frozen: bool = False,
         inject_inf: tuple[int, int] | None = None,
         dump_dir: str | None = None,
+        experts: int = 0,
     ) -> None:
         super().__init__()
         self.save_hyperparameters()
@@ -48,6 +51,11 @@ class TinyRegressor(MuonModuleMixin, pl.LightningModule):
         self.fixed = nn.Linear(widths[-1], widths[-1]) if frozen else None
         if self.fixed is not None:
             self.fixed.requires_grad_(False)
+        if experts:
+            from fsdp_modules import Experts  # transformers 5's layout, as FSDP2's tests use it
+
+            self.router = nn.Linear(widths[-1], experts, bias=False)
+            self.experts = Experts(widths[-1], 6, experts)
         self.head = nn.Linear(widths[-1], 4)
 
     def forward(self, x: torch.Tensor) -> torch.Tensor:
@@ -56,6 +64,8 @@ class TinyRegressor(MuonModuleMixin, pl.LightningModule):
             h = h + torch.tanh(self.side(h))
         if self.fixed is not None:
             h = torch.tanh(self.fixed(h))
+        if self.hparams.experts:
+            h = h + self.experts(h, self.router(h).softmax(-1))
         return self.head(h)
 
     def train_dataloader(self):
@@ -90,6 +100,14 @@ class TinyRegressor(MuonModuleMixin, pl.LightningModule):
             "scale": None if scaler is None else float(scaler.get_scale()),
             # Bytes each collective of the Muon sharding sent from this rank, over the fit.
             "comm": dict(shardings[0].stats.bytes) if shardings else {},
+            # What this rank steps of each expert stack (its block of experts), by name.
+            "stepped": {
+                n: tuple(part.shape) if (part := shardings[0].stepped(p)) is not None else None
+                for n, p in self.named_parameters()
+                if n.startswith("experts.")
+            }
+            if shardings
+            else {},
         }
         torch.save(result, Path(self.hparams.dump_dir) / f"rank{self.global_rank}.pt")
 

@@ -172,6 +172,41 @@ def test_overflow_on_one_rank_skips_the_step_everywhere(tmp_path, precision):
         assert changed  # the overflow did change the run: a step was really skipped
 
 
+@pytest.mark.parametrize("clip", [None, 0.05])
+def test_expert_stacks_are_split_by_experts_over_the_ranks(tmp_path, clip):
+    """5 experts: each rank steps a block of every stack's experts, not one rank each stack.
+
+    The blocks rotate from stack to stack (``expert_blocks``): rank 0 steps experts 0-2 of the
+    first stack and 3-4 of the second, rank 1 the rest.
+    """
+    _fit(tmp_path / "one", "auto", 1, gradient_clip_val=clip, experts=5)
+    _fit(tmp_path / "two", "muon_ddp_spawn", 2, gradient_clip_val=clip, experts=5)
+    ranks = _ranks(tmp_path / "two", 2)
+    _assert_all_equal(ranks, _ranks(tmp_path / "one", 1)[0], **FP32)
+    assert [r["stepped"] for r in ranks] == [
+        {"experts.gate_up_proj": (3, 12, 24), "experts.down_proj": (2, 24, 6)},
+        {"experts.gate_up_proj": (2, 12, 24), "experts.down_proj": (3, 24, 6)},
+    ]
+    # The checkpoint holds every expert's momentum, joined from both ranks' parts.
+    state = torch.load(next((tmp_path / "two").rglob("*.ckpt")), weights_only=True)["optimizer_states"][0]
+    stacks = [i for g in state["param_groups"] if g.get("batched") for i in g["params"]]
+    assert len(stacks) == 2
+    shapes = sorted(tuple(state["state"][i]["momentum_buffer"].shape) for i in stacks)
+    assert shapes == [(5, 12, 24), (5, 24, 6)]
+
+
+def test_checkpoint_with_experts_from_two_ranks_resumes_on_one_and_three(tmp_path):
+    kwargs = dict(global_batch=6, samples=6, experts=5)
+    _fit(tmp_path / "full", "auto", 1, steps=6, **kwargs)
+    _fit(tmp_path / "two", "muon_ddp_spawn", 2, steps=3, **kwargs)
+    ckpt = next((tmp_path / "two").rglob("*.ckpt"))
+    _fit(tmp_path / "one", "auto", 1, steps=6, ckpt_path=ckpt, **kwargs)
+    _fit(tmp_path / "three", _spawn(), 3, steps=6, ckpt_path=ckpt, **kwargs)
+    reference = _ranks(tmp_path / "full", 1)[0]
+    _assert_all_equal(_ranks(tmp_path / "one", 1), reference, **FP32)
+    _assert_all_equal(_ranks(tmp_path / "three", 3), reference, **FP32)
+
+
 def test_checkpoint_from_two_ranks_resumes_on_one_and_three(tmp_path):
     # The same 6 samples every step, so that resuming (which replays a batch) sees what an
     # uninterrupted run sees (Lightning replays one batch after resuming a fit that stopped at

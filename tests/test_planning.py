@@ -5,7 +5,7 @@ from __future__ import annotations
 import pytest
 import torch
 
-from lightning_muon.distributed.planning import matrix_shapes, plan_ownership
+from lightning_muon.distributed.planning import expert_blocks, matrix_shapes, plan_ownership
 from lightning_muon.layout import MatrixLayout
 from lightning_muon.newton_schulz import ns_flops
 
@@ -88,3 +88,25 @@ def test_planning_counts_the_matrices_newton_schulz_sees(shape, split_sizes, bat
 
 def test_grouped_qkv_is_planned_by_its_whole_pieces():
     assert matrix_shapes((32, 16), MatrixLayout(split_sizes=(8, 4, 4))) == [(16, 16), (8, 16), (8, 16)]
+
+
+def test_expert_blocks_rotate_so_that_no_rank_idles():
+    # torch.chunk blocks per stack; stack k starts at rank (experts before it) mod W.
+    assert expert_blocks([5, 5], 2) == [[(0, 3), (3, 2)], [(3, 2), (0, 3)]]
+    # Fewer experts than ranks: the ranks one stack misses take the next stack's.
+    blocks = expert_blocks([2, 2], 4)
+    assert blocks == [[(0, 1), (1, 1), (2, 0), (3, 0)], [(2, 0), (3, 0), (0, 1), (1, 1)]]
+    # Every expert of every stack on exactly one rank.
+    for stack, count in zip(expert_blocks([7, 3, 8], 3), [7, 3, 8]):
+        covered = sorted(e for start, rows in stack for e in range(start, start + rows))
+        assert covered == list(range(count))
+
+
+def test_spread_stacks_get_no_owner_and_weigh_on_their_ranks():
+    layouts = [MatrixLayout(), MatrixLayout(batched=True)]
+    blocks = expert_blocks([3], 2)  # rank 0 steps experts 0-1, rank 1 expert 2
+    plan = plan_ownership([(8, 8), (3, 8, 8)], 2, layouts=layouts, spread=[False, True], spread_blocks=blocks)
+    assert plan.owners == (1, -1)  # the dense matrix goes where fewer experts are
+    unweighted = plan_ownership([(8, 8), (3, 8, 8)], 2, layouts=layouts, spread=[False, True])
+    assert unweighted.owners == (0, -1)  # without the blocks: the tie's lower rank
+    assert plan.flops == (ns_flops(8, 8, 5), 3 * ns_flops(8, 8, 5))

@@ -15,7 +15,17 @@ from collections.abc import Sequence
 import torch.distributed as dist
 from torch import Tensor
 
-__all__ = ["CommStats", "all_reduce_", "all_reduce_bytes", "all_to_all_v", "owner_groups"]
+__all__ = ["CommStats", "all_reduce_", "all_reduce_bytes", "all_to_all_v", "owner_groups", "unit_rows"]
+
+
+def unit_rows(t: Tensor, start: int, rows: int) -> Tensor:
+    """Rows ``[start, start + rows)`` of dim 0 of a contiguous ``t``, flat: one owner's unit of a tensor.
+
+    A view (``t`` is contiguous): a unit is a whole matrix (all its rows) or an expert stack's
+    block of experts, whose elements are consecutive in memory.
+    """
+    per_row = t.numel() // t.shape[0] if t.shape[0] else 0
+    return t.reshape(-1)[start * per_row : (start + rows) * per_row]
 
 
 class CommStats:

@@ -110,10 +110,12 @@ class MuonFSDPSharding(Sharding):
         self.mode = mode
         groups, params = muon_params(optimizer, "MuonFSDPSharding", _check_group)
         self.mesh = params[0].device_mesh
+        layouts = [layout_of(g) for g in groups for _ in g["params"]]
         plan = plan_ownership(
             [tuple(p.shape) for p in params],
             self.mesh.size(),
-            layouts=[layout_of(g) for g in groups for _ in g["params"]],
+            layouts=layouts,
+            spread=[lay.batched for lay in layouts],  # expert stacks: every rank its own experts
         )
         self._warned_observer = False
         super().__init__(

@@ -29,7 +29,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_muon.distributed.comm import all_reduce_bytes, owner_groups
+from lightning_muon.distributed.comm import all_reduce_bytes, owner_groups, unit_rows
 
 __all__ = ["OverlappedReduce"]
 
@@ -117,16 +117,18 @@ class OverlappedReduce:
         """Issue bucket ``b``'s all-to-all to the owners (async); the same layout as the unbucketed path."""
         s = self.sharding
         members = {id(p) for p in self.buckets[b]}
-        by_owner = [[p for p in owned if id(p) in members] for owned in s._by_owner()]
+        by_owner = [[u for u in owned if id(u[0]) in members] for owned in s._by_owner()]
         dtype, device = s.params[0].dtype, s.params[0].device
         pieces, send_counts = [], []
         for owned in by_owner:
-            # One extra element per parameter: 1 where this rank has a gradient.
-            pieces += [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype) for p in owned]
-            pieces.append(torch.tensor([p.grad is not None for p in owned], dtype=dtype, device=device))
-            send_counts.append(sum(p.numel() for p in owned) + len(owned))
+            # Each owner's units (whole matrices, blocks of experts), one extra element per unit:
+            # 1 where this rank has a gradient.
+            for p, start, rows in owned:
+                pieces.append(unit_rows(p.grad if p.grad is not None else torch.zeros_like(p), start, rows).to(dtype))
+            pieces.append(torch.tensor([p.grad is not None for p, _, _ in owned], dtype=dtype, device=device))
+            send_counts.append(sum(unit_rows(p, start, rows).numel() for p, start, rows in owned) + len(owned))
         mine = by_owner[s.local_rank]
-        size = sum(p.numel() for p in mine) + len(mine)
+        size = sum(unit_rows(p, start, rows).numel() for p, start, rows in mine) + len(mine)
         send = torch.cat(pieces)
         recv = send.new_empty(size * s.group_size)  # (S, size) once summed
         work = None

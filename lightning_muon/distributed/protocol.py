@@ -124,6 +124,20 @@ class Sharding:
         """The part of ``t`` (a parameter, gradient or state tensor) this rank holds."""
         return t
 
+    def stepped(self, p: Tensor) -> Tensor | None:
+        """What this rank steps of ``p``: ``p`` itself when it owns it, else None (a subclass may give a part)."""
+        return p if self.owns(p) else None
+
+    def lend_state(self) -> None:
+        """Before the step's groups: move state to the parts ``stepped`` gives (none by default)."""
+
+    def return_state(self) -> None:
+        """After the step's groups: the lent state back under its parameters (none by default)."""
+
+    def part_grads(self) -> list[Tensor]:
+        """Gradients of the parts ``stepped`` gives besides whole parameters (none by default)."""
+        return []
+
     # ------------------------------------------------------------------ the step
 
     def orthogonalize(self, params: list[Tensor], updates: list[Tensor], **ns_kwargs: Any) -> list[list[Tensor]]:
@@ -156,8 +170,9 @@ class Sharding:
         grads = []
         for group in self.optimizer.param_groups:
             for p in group["params"]:
-                if p.grad is not None and self.owns(p):
-                    g = self.local_shard(p.grad)
+                q = self.stepped(p)
+                if q is not None and q.grad is not None:
+                    g = self.local_shard(q.grad)
                     if g.numel():
                         grads.append(g)
         return grads

@@ -9,6 +9,14 @@ runs momentum, ``orthogonalize`` and the update; ``gather_parameters()`` (called
 ``P - P_own`` then ``(W - 1) P_own``: for W = 2 exactly plain DDP's all-reduce of the
 same P elements, and for balanced owners ``2 (W - 1) / W * P`` in general.
 
+Expert stacks (groups with ``batched=True``, 3-D ``(E, out, in)``) are not planned whole: in
+``reduce_scatter`` mode every rank of a group owns a ``torch.chunk`` block of every stack's
+experts (``planning.expert_blocks``: rotated from stack to stack, so that with fewer experts
+than ranks the ranks one stack misses take the next's), so the experts of a 64-expert stack
+are orthogonalized by every rank, not by one. Its part travels like a whole matrix: gradients
+to it, results back; it steps a view of those rows, whose optimizer state lives under the
+stack between steps (a slice of the rows; ``gather_states`` joins them for a checkpoint).
+
 In ``all_gather`` mode DDP all-reduces everything as usual; owners still split the
 Newton-Schulz work and share their results (+50% traffic; a fallback and a baseline).
 
@@ -25,14 +33,16 @@ With ``overlap_with_backward`` the reduce leaves in buckets from backward's hook
 
 from __future__ import annotations
 
+import warnings
+
 import torch
 import torch.distributed as dist
 from torch import Tensor
 
 from lightning_muon.algorithms import orthogonalizes
-from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v, owner_groups
+from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v, owner_groups, unit_rows
 from lightning_muon.distributed.overlap import OverlappedReduce
-from lightning_muon.distributed.planning import plan_ownership
+from lightning_muon.distributed.planning import expert_blocks, plan_ownership
 from lightning_muon.distributed.protocol import Sharding
 from lightning_muon.functional import all_finite
 from lightning_muon.layout import layout_of
@@ -80,17 +90,30 @@ class MuonSharding(Sharding):
         self._overlap: OverlappedReduce | None = None
         groups = [g for g in optimizer.param_groups if orthogonalizes(g)]  # Muon and its variants
         params = [p for g in groups for p in g["params"]]
+        # Expert stacks split by experts over the group's ranks: param index -> rows per local rank.
+        layouts = [layout_of(g) for g in groups for _ in g["params"]]
+        self._split: dict[int, list[tuple[int, int]]] = {}  # per local rank: (first expert, experts)
+        if mode == "reduce_scatter" and size > 1:
+            stacks = [i for i, (p, lay) in enumerate(zip(params, layouts)) if lay.batched and p.ndim == 3]
+            self._split = dict(zip(stacks, expert_blocks([params[i].shape[0] for i in stacks], size)))
         plan = plan_ownership(
             [p.shape for p in params],
             size,  # every group holds the same plan over its S ranks
-            layouts=[layout_of(g) for g in groups for _ in g["params"]],
+            layouts=layouts,
+            spread=[i in self._split for i in range(len(params))],
+            spread_blocks=list(self._split.values()),
         )
         # Flat send/receive buffers kept across steps: a fresh multi-megabyte tensor per step
         # costs more in page faults than copying into it (measured 7x on CPU).
         self._buffers: dict[str, Tensor] = {}
+        self._parts: dict[int, Tensor] = {}  # param index -> the view of this rank's rows it steps
+        self._warned_observer = False
         super().__init__(
             optimizer, params, plan, group=group, rank=dist.get_rank(group), world_size=world_size, stats=stats
         )
+        for i, blocks in self._split.items():
+            start, rows = blocks[self.local_rank]
+            self._parts[i] = self.params[i].detach()[start : start + rows]
 
     def _buffer(self, name: str, numel: int, like: Tensor) -> Tensor:
         buf = self._buffers.get(name)
@@ -99,13 +122,62 @@ class MuonSharding(Sharding):
         return buf
 
     def owns(self, p: Tensor) -> bool:
-        """True when this rank steps ``p``: its group's owner of the matrix, or ``p`` is not a Muon parameter."""
-        owner = self.owner(p)
-        return owner is None or owner == self.local_rank
+        """True when this rank steps ``p`` whole: its group's owner of the matrix, or ``p`` is not a Muon parameter.
 
-    def _by_owner(self) -> list[list[Tensor]]:
-        """Muon parameters by owner, local rank 0 to S - 1 of this rank's group."""
-        return [[self.params[i] for i in self.plan.owned(r)] for r in range(self.group_size)]
+        An expert stack split by experts is owned by no rank whole (``stepped`` gives each its rows).
+        """
+        i = self._index.get(id(p))
+        return i is None or self.plan.owners[i] == self.local_rank
+
+    def stepped(self, p: Tensor) -> Tensor | None:
+        """What this rank steps of ``p``: ``p``, the view of its rows of an expert stack, or None."""
+        i = self._index.get(id(p))
+        if i is not None and i in self._split:
+            part = self._parts[i]
+            return part if part.numel() else None
+        return p if self.owns(p) else None
+
+    def lend_state(self) -> None:
+        """For the step: each expert-stack part's state moves from the stack to the view this rank steps."""
+        state = self.optimizer.state
+        for i, part in self._parts.items():
+            p = self.params[i]
+            if p in state:
+                state[part] = state.pop(p)
+        if self._parts and self.optimizer.has_update_hooks and not self._warned_observer:
+            self._warned_observer = True
+            warnings.warn(
+                "MuonSharding: expert stacks are stepped by their experts' ranks, in parts; the update hooks "
+                "(UpdateSpectrumMonitor) are not run for them",
+                RuntimeWarning,
+                stacklevel=3,
+            )
+
+    def return_state(self) -> None:
+        """After the step: the parts' state back under their stacks (where checkpoints look for it)."""
+        state = self.optimizer.state
+        for i, part in self._parts.items():
+            if part in state:
+                state[self.params[i]] = state.pop(part)
+
+    def part_grads(self) -> list[Tensor]:
+        """The gradients of the expert-stack parts this rank steps (besides the owned whole matrices')."""
+        return [part.grad for part in self._parts.values() if part.grad is not None and part.numel()]
+
+    def _by_owner(self) -> list[list[tuple[Tensor, int, int]]]:
+        """Per local rank 0 to S - 1 of this rank's group, its units: (parameter, first row, rows).
+
+        A whole matrix is ``(p, 0, dim 0)``; an expert stack gives every rank its block of experts.
+        """
+        out = []
+        for r in range(self.group_size):
+            units = [(self.params[i], 0, self.params[i].shape[0]) for i in self.plan.owned(r)]
+            for i, blocks in self._split.items():
+                start, rows = blocks[r]
+                if rows:
+                    units.append((self.params[i], start, rows))
+            out.append(units)
+        return out
 
     @torch.no_grad()
     def reduce_gradients(self) -> None:
@@ -129,13 +201,15 @@ class MuonSharding(Sharding):
         dtype = self.params[0].dtype
         pieces, send_counts = [], []
         for owned in by_owner:
-            # One extra element per parameter: 1 where this rank has a gradient.
-            flat = [(p.grad if p.grad is not None else torch.zeros_like(p)).reshape(-1).to(dtype) for p in owned]
-            flags = torch.tensor([p.grad is not None for p in owned], dtype=dtype, device=self.params[0].device)
-            pieces += [*flat, flags]
-            send_counts.append(sum(p.numel() for p in owned) + len(owned))
+            # One extra element per unit: 1 where this rank has a gradient.
+            for p, start, rows in owned:
+                grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                pieces.append(unit_rows(grad, start, rows).to(dtype))
+            flags = torch.tensor([p.grad is not None for p, _, _ in owned], dtype=dtype, device=self.params[0].device)
+            pieces.append(flags)
+            send_counts.append(sum(_unit_numel(u) for u in owned) + len(owned))
         mine = by_owner[self.local_rank]
-        size = sum(p.numel() for p in mine) + len(mine)
+        size = sum(_unit_numel(u) for u in mine) + len(mine)
         ref = self.params[0].detach()
         send = torch.cat(pieces, out=self._buffer("reduce_send", sum(send_counts), ref))
         # The owned gradients below are views of this buffer, until the next reduce refills it.
@@ -149,9 +223,10 @@ class MuonSharding(Sharding):
             all_reduce_(total, group=self.peer_group, stats=self.stats, name="reduce_across")
         self._assign([(mine, total)])
 
-    def _assign(self, summed: list[tuple[list[Tensor], Tensor]]) -> None:
+    def _assign(self, summed: list[tuple[list[tuple[Tensor, int, int]], Tensor]]) -> None:
         """Owned gradients become views of each summed buffer (grads, then flags); other Muon gradients are dropped.
 
+        An expert stack's rows go to the view this rank steps (``stepped``), not to the stack.
         Under overlap a gradient left from backward's hook before anything after backward (a
         user's hook, an injected fault) could change it. A local gradient that has since
         become non-finite is kept, not dropped, and joins the finiteness agreement: AMP's
@@ -163,9 +238,14 @@ class MuonSharding(Sharding):
             grads.div_(self.world_size)
             owned_grads.append(grads)
             offset = 0
-            for p, flag in zip(mine, flags.tolist()):
-                n = p.numel()
-                p.grad = grads[offset : offset + n].view_as(p).to(p.dtype) if flag > 0 else None
+            for (p, _, rows), flag in zip(mine, flags.tolist()):
+                n = _unit_numel((p, 0, rows))
+                grad = grads[offset : offset + n].view(rows, *p.shape[1:]).to(p.dtype) if flag > 0 else None
+                i = self._index[id(p)]
+                if i in self._split:
+                    self._parts[i].grad = grad
+                else:
+                    p.grad = grad
                 offset += n
         kept = []
         for p in self.params:
@@ -203,16 +283,16 @@ class MuonSharding(Sharding):
 
     @torch.no_grad()
     def gather_parameters(self) -> None:
-        """Send every owner's Muon parameters to the other ranks of its group (after the owners stepped)."""
+        """Send every owner's Muon units to the other ranks of its group (after the owners stepped)."""
         if self.group_size == 1 or not self.params:
             return
         by_owner = self._by_owner()
         mine = by_owner[self.local_rank]
         ref = self.params[0].detach()
-        sizes = [sum(p.numel() for p in owned) for owned in by_owner]
+        sizes = [sum(_unit_numel(u) for u in owned) for owned in by_owner]
         blob = self._buffer("gather_send", sizes[self.local_rank], ref)
         if mine:
-            torch.cat([p.detach().reshape(-1) for p in mine], out=blob)
+            torch.cat([unit_rows(p.detach(), start, rows) for p, start, rows in mine], out=blob)
         send_counts = [0 if r == self.local_rank else blob.numel() for r in range(self.group_size)]
         recv_counts = [0 if r == self.local_rank else sizes[r] for r in range(self.group_size)]
         send = blob if self.group_size == 2 else torch.cat([blob] * (self.group_size - 1))
@@ -222,9 +302,9 @@ class MuonSharding(Sharding):
         for r, owned in enumerate(by_owner):
             if r == self.local_rank:
                 continue
-            for p in owned:
-                n = p.numel()
-                p.copy_(recv[offset : offset + n].view_as(p))
+            for p, start, rows in owned:
+                n = _unit_numel((p, start, rows))
+                unit_rows(p.detach(), start, rows).copy_(recv[offset : offset + n])
                 offset += n
 
     @torch.no_grad()
@@ -239,7 +319,7 @@ class MuonSharding(Sharding):
         """
         by_owner = self._by_owner()
         mine = by_owner[self.local_rank]
-        local = [self.optimizer.state.get(p, {}) for p in mine]
+        local = [self.optimizer.state.get(p, {}) for p, _, _ in mine]  # a stack's part: its rows' state
         # (key, shape, dtype name) per tensor entry; other values (plain numbers) go as they are.
         layout = [
             {k: (tuple(v.shape), dtype_name(v.dtype)) if isinstance(v, Tensor) else ("value", v) for k, v in st.items()}
@@ -279,9 +359,10 @@ class MuonSharding(Sharding):
             chunks = iter(recv.split([recv_counts[r] for r in range(self.group_size) if r != self.local_rank]))
             parts = [blob if r == self.local_rank else next(chunks) for r in range(self.group_size)]
         out: dict[int, dict[str, object]] = {}
+        rows_of: dict[int, list[dict[str, object]]] = {}  # an expert stack: its parts' states, in rank order
         for owned, lay, part in zip(by_owner, layouts, parts):
             offset = 0
-            for p, entry in zip(owned, lay):
+            for (p, start, _), entry in zip(owned, lay):
                 state: dict[str, object] = {}
                 for key, (shape, meta) in entry.items():
                     if shape == "value":
@@ -290,14 +371,55 @@ class MuonSharding(Sharding):
                     n = _numel(shape)
                     state[key] = part[offset : offset + n].view(shape).to(DTYPES[meta]).to(p.device).clone()
                     offset += n
-                out[id(p)] = state
-        return [out[id(p)] for p in self.params]
+                if self._index[id(p)] in self._split:
+                    rows_of.setdefault(id(p), []).append((start, state))  # joined in expert order
+                else:
+                    out[id(p)] = state
+        for key, states in rows_of.items():
+            out[key] = _join_rows([st for _, st in sorted(states, key=lambda e: e[0]) if st])
+        return [out.get(id(p), {}) for p in self.params]
 
     def drop_foreign_state(self) -> None:
-        """Forget the optimizer state of matrices another rank owns (after loading a full state)."""
-        for p in self.params:
-            if not self.owns(p):
-                self.optimizer.state.pop(p, None)
+        """Forget the optimizer state of matrices another rank owns (after loading a full state).
+
+        An expert stack keeps its rows of every per-expert entry (those with the stack's dim 0).
+        """
+        state = self.optimizer.state
+        for i, p in enumerate(self.params):
+            if i in self._split:
+                entries = state.get(p)
+                if not entries:
+                    continue
+                start, n = self._split[i][self.local_rank]
+                if n == 0:
+                    state.pop(p)
+                    continue
+                state[p] = {k: v[start : start + n].clone() if _per_expert(v, p) else v for k, v in entries.items()}
+            elif not self.owns(p):
+                state.pop(p, None)
+
+
+def _per_expert(v: object, p: Tensor) -> bool:
+    return isinstance(v, Tensor) and v.ndim == p.ndim and v.shape[0] == p.shape[0]
+
+
+def _join_rows(states: list[dict[str, object]]) -> dict[str, object]:
+    """One expert stack's state from its parts' (in expert order): per-expert tensors joined along dim 0."""
+    if not states:
+        return {}
+    joined: dict[str, object] = {}
+    for key, value in states[0].items():
+        if isinstance(value, Tensor) and value.ndim:
+            joined[key] = torch.cat([st[key] for st in states])  # type: ignore[misc]
+        else:
+            joined[key] = value
+    return joined
+
+
+def _unit_numel(unit: tuple[Tensor, int, int]) -> int:
+    """Elements of a unit ``(p, first row, rows)``."""
+    p, _, rows = unit
+    return p.numel() // p.shape[0] * rows if p.shape[0] else 0
 
 
 def _tensor_shapes(entry: dict) -> list[tuple[int, ...]]:

@@ -127,10 +127,12 @@ class MuonTPSharding(MuonFSDPSharding):
         else:
             self.tp_group, self.tp_rank, self.tp_size = None, 0, 1
         self._tp = _TensorDim(self.tp_group, self.tp_rank, self.tp_size, self.stats_by_dim[TP_DIM])
+        layouts = [layout_of(g) for g in groups for _ in g["params"]]
         plan = plan_ownership(
             [tuple(p.shape) for p in params],
             self.dp_size,
-            layouts=[layout_of(g) for g in groups for _ in g["params"]],
+            layouts=layouts,
+            spread=[lay.batched for lay in layouts],  # expert stacks: orthogonalized where their experts are
         )
         self._warned_observer = False
         # The owners are data-parallel ranks; the finiteness agreement spans every rank

@@ -168,7 +168,8 @@ class MuonDDPCore:
         are on every rank. Returns the total norm, or None when there is no gradient.
         """
         sharding = sharding_of(optimizer)
-        grads = [p.grad for p in params if p.grad is not None]
+        parts = sharding.part_grads() if sharding is not None else []  # this rank's rows of expert stacks
+        grads = [p.grad for p in params if p.grad is not None] + parts
         if not grads:
             return None
         # In all_gather mode DDP reduced every gradient, Muon ones too: all are replicated.
@@ -177,6 +178,7 @@ class MuonDDPCore:
         world = dist.get_world_size() if dist.is_initialized() else 1
         groups = world // sharding.group_size if sharding is not None else world
         pieces = [(p.grad, groups if id(p) in sharded else world) for p in params if p.grad is not None]
+        pieces += [(g, groups) for g in parts]
         stats = sharding.stats if sharding is not None else None
         total = global_grad_norm(pieces, norm_type, device=grads[0].device, stats=stats, replicated=not owned_only)
         return clip_by_total_norm_(grads, total, max_norm, norm_type, error_if_nonfinite)
