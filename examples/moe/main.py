@@ -2,7 +2,7 @@
 
 Run (one CPU process; 2 Muon lrs and 2 AdamW lrs, 600 steps each, the best of each reported):
     python examples/moe/main.py
-    python examples/moe/main.py --muon-lr 0.04 --adamw-lr 0.006 --max-steps 200
+    python examples/moe/main.py --muon-lr 0.01 --adamw-lr 0.003 --max-steps 200
 Several processes (FSDP2, gloo on CPU; Lightning starts the second by re-running this script):
     python examples/moe/main.py --strategy muon_fsdp --devices 2
     python examples/moe/main.py --strategy muon_fsdp --accelerator gpu --devices 8
