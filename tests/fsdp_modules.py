@@ -375,3 +375,62 @@ def fit_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, An
         "default_units": trainer.strategy.default_units,
         "groups": {g["name"]: g.get("param_names") for g in trainer.optimizers[0].param_groups},
     }
+
+
+# ---------------------------------------------------------------- GPT-2 with split_qkv
+
+GPT2_CONFIG = MuonConfig(
+    lr=0.02, weight_decay=0.1, ns_dtype="float32", adamw_lr=1e-2, split_qkv=True, qkv_split_shapes=(32, 32, 32)
+)
+
+
+class GPT2LM(MuonModuleMixin, pl.LightningModule):
+    """A tiny transformers GPT-2 (``Conv1D`` layers, fused ``c_attn``), 12 fixed sequences per step."""
+
+    def __init__(self) -> None:
+        super().__init__()
+        from transformers import GPT2Config, GPT2LMHeadModel
+
+        torch.manual_seed(0)
+        config = GPT2Config(n_embd=32, n_layer=2, n_head=4, vocab_size=64, n_positions=16, resid_pdrop=0.0,
+                            embd_pdrop=0.0, attn_pdrop=0.0)  # fmt: skip
+        self.model = GPT2LMHeadModel(config)
+        self.muon_config = GPT2_CONFIG
+
+    def train_dataloader(self):
+        world, rank = self.trainer.world_size, self.trainer.global_rank
+        ids = torch.randint(0, 64, (SAMPLES, 12), generator=torch.Generator().manual_seed(5))
+        return torch.utils.data.DataLoader(
+            torch.utils.data.TensorDataset(ids[rank::world]), batch_size=SAMPLES // world
+        )
+
+    def training_step(self, batch, batch_idx):
+        (ids,) = batch
+        return self.model(input_ids=ids, labels=ids).loss
+
+
+def gpt2_fit(root: Path, steps: int, world_size: int = 1, rank: int = 0) -> dict[str, Any]:
+    """A GPT-2 fit with ``split_qkv=True``: under ``MuonFSDPStrategy`` when ``world_size > 1``."""
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, get_model_state_dict
+
+    from lightning_muon import MuonFSDPStrategy
+
+    model = GPT2LM()
+    trainer = pl.Trainer(
+        devices=world_size,
+        strategy=MuonFSDPStrategy() if world_size > 1 else "auto",
+        enable_checkpointing=False,
+        **trainer_kwargs(root, steps, 1, None, "32-true"),
+    )
+    trainer.fit(model)
+    if world_size > 1:
+        state = get_model_state_dict(model, options=StateDictOptions(full_state_dict=True, cpu_offload=True))
+    else:
+        state = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    groups = {g["name"]: (g.get("split_sizes"), g.get("transposed")) for g in trainer.optimizers[0].param_groups}
+    return {"params": state if rank == 0 else None, "groups": groups}
+
+
+def gpt2_fit_worker(rank: int, world_size: int, root: Path, steps: int) -> dict[str, Any]:
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes made outside Lightning
+    return gpt2_fit(root, steps, world_size, rank)

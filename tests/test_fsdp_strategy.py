@@ -21,6 +21,8 @@ from fsdp_modules import (
     STEPS,
     FSDPRegressor,
     fit_worker,
+    gpt2_fit,
+    gpt2_fit_worker,
     reference_run,
     sharding_worker,
     trainer_kwargs,
@@ -267,3 +269,20 @@ def test_bf16_mixed_module_that_shards_itself(tmp_path):
     # (autocast: 8-bit mantissas, relative steps of 2^-8), which moves a gradient entry by
     # ~0.4%. Measured at most 1.7e-4 after 5 steps; every update moves a weight by ~5e-3.
     _assert_params_close(ranks[0]["params"], reference, rtol=0.0, atol=1e-3)
+
+
+@pytest.mark.slow
+def test_gpt2_with_split_qkv_trains_under_muon_fsdp_and_equals_one_process(tmp_path):
+    """c_attn (Conv1D, (fan_in, fan_out)) split into Q, K and V columns: the owner holds it whole."""
+    ranks = run_distributed(gpt2_fit_worker, 2, tmp_path / "two", 3)
+    reference = gpt2_fit(tmp_path / "one", 3)
+    assert ranks[0]["groups"]["muon_qkv_transposed"] == ((32, 32, 32), True)
+    # The K part of c_attn's bias cancels in the softmax: its gradient is rounding noise
+    # (~1e-9), which AdamW normalizes into +-lr steps of either sign. Compared apart from it.
+    got, expected = dict(ranks[0]["params"]), dict(reference["params"])
+    for layer in (0, 1):
+        name = f"model.transformer.h.{layer}.attn.c_attn.bias"
+        keep = torch.ones(96, dtype=torch.bool)
+        keep[32:64] = False
+        got[name], expected[name] = got[name][keep], expected[name][keep]
+    _assert_params_close(got, expected, **FP32)
