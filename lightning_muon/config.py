@@ -32,7 +32,8 @@ from lightning_muon.hparams import BUILTIN_HPARAMS, NonFinite, OptimizerConfig
 from lightning_muon.muon import Muon
 from lightning_muon.routing import DEFAULT_HEAD_NAMES, RoutingConfig, Rule
 from lightning_muon.routing.added_groups import ModuleRouter
-from lightning_muon.routing.megatron import MEGATRON_COEFFICIENTS, QKV_NAMES, map_megatron_names, split_rules
+from lightning_muon.routing.fused_qkv import QKV_NAMES, split_rules
+from lightning_muon.routing.megatron import MEGATRON_COEFFICIENTS, map_megatron_names
 from lightning_muon.schedules import Falloff, LRSchedule, MomentumWarmup, MuonScheduler, ScheduleConfig
 
 __all__ = ["MEGATRON_COEFFICIENTS", "QKV_NAMES", "MuonConfig"]
@@ -303,7 +304,7 @@ class MuonConfig:
         return self.routing.kwargs()
 
     def qkv_rules(self) -> list[Rule]:
-        """The routing rules ``split_qkv`` adds (``megatron.split_rules``)."""
+        """The routing rules ``split_qkv`` adds (``routing.fused_qkv.split_rules``)."""
         return [r for r in split_rules(self) if r.group == "muon_qkv"]
 
     def lr_schedule(self, total_steps: int | None) -> LRSchedule:

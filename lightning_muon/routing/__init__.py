@@ -3,7 +3,8 @@
 - ``rules``: ``Rule``, ``route_parameters``, ``RoutingConfig`` and ``ParamGroups`` (the report);
 - ``conv1d``: weights stored ``(fan_in, fan_out)`` (transformers' ``Conv1D``);
 - ``experts``: mixture-of-experts stacks and their routers;
-- ``megatron``: Megatron-Core's names, and the fused-QKV split rules;
+- ``fused_qkv``: fused QKV weights split into Q, K and V (``split_qkv``);
+- ``megatron``: Megatron-Core's names for Muon's settings;
 - ``added_groups``, ``param_groups``, ``checkpoint``: groups added after construction, groups
   from what a user passes, and the check that a checkpoint was saved with this routing.
 """

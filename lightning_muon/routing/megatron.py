@@ -1,9 +1,8 @@
 """Megatron-Core's names for Muon's settings, in one place: ``MuonConfig`` accepts them beside its own.
 
 ``coefficient_type`` -> ``ns_coefficients``, ``num_ns_steps`` -> ``ns_steps``, ``scale_mode``
--> ``adjust_lr``, ``moment2_method`` -> ``second_moment``, and ``split_qkv`` with
-``qkv_split_shapes``: routing rules that orthogonalize Q, K and V of fused QKV weights
-separately (by Megatron's ``is_qkv`` attribute or by name, ``QKV_NAMES``).
+-> ``adjust_lr``, ``moment2_method`` -> ``second_moment``; ``split_qkv`` with
+``qkv_split_shapes`` turns on the routing rules of ``fused_qkv``.
 """
 
 from __future__ import annotations
@@ -15,10 +14,8 @@ from typing import Any
 
 from lightning_muon.functional import ADJUST_LR_ALIASES, SECOND_MOMENTS
 from lightning_muon.newton_schulz import COEFFICIENTS
-from lightning_muon.routing.conv1d import TRANSPOSED_MODULES
-from lightning_muon.routing.rules import Rule
 
-__all__ = ["MEGATRON_COEFFICIENTS", "MEGATRON_SCALE_MODES", "QKV_NAMES", "map_megatron_names", "split_rules"]
+__all__ = ["MEGATRON_COEFFICIENTS", "MEGATRON_SCALE_MODES", "map_megatron_names"]  # the last two from fused_qkv
 
 # Megatron-Core's ``coefficient_type`` names (emerging_optimizers ``muon_utils``) and their
 # schedules here. Megatron cycles a list when ``num_ns_steps`` is a multiple of its length
@@ -42,9 +39,6 @@ MEGATRON_COEFFICIENTS: dict[str, str | list[tuple[float, float, float]]] = {
     ],
 }
 MEGATRON_SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm")
-# Parameter names treated as fused QKV weights by ``split_qkv`` (besides Megatron's
-# ``is_qkv`` attribute): Megatron-Core, timm/ViT, GPT-2/nanoGPT, GPT-NeoX, nn.MultiheadAttention.
-QKV_NAMES = r"(^|\.)(linear_qkv|qkv|qkv_proj|c_attn|query_key_value)\.weight$|(^|\.)in_proj_weight$"
 
 
 def map_megatron_names(config: Any) -> None:
@@ -113,45 +107,6 @@ def _megatron_schedule(config) -> str | list[tuple[float, float, float]]:
         if isinstance(config.ns_steps, int) and config.ns_steps > len(cycle):  # Megatron repeats the whole list
             return [cycle[i % len(cycle)] for i in range(config.ns_steps)]
     return schedule
-
-
-def split_rules(config: Any) -> list[Rule]:
-    """The routing rules ``split_qkv`` adds, in the order they are tried (none without ``split_qkv``).
-
-    1. ``nn.MultiheadAttention``'s ``in_proj_weight``: Q | K | V of equal size along dim 0,
-       three parts.
-    2. GPT-2's ``c_attn``, a ``Conv1D`` stored (fan_in, fan_out): the same names and sizes,
-       split along the output axis, dim 1.
-    3. Fused QKV weights by Megatron's ``is_qkv`` attribute or by name (``QKV_NAMES``), split
-       as Megatron does: the rows are query groups of ``sum(qkv_split_shapes)`` rows each,
-       and Q (K, V) gathers its rows from every group.
-    """
-    if not config.split_qkv:
-        return []
-    sizes = list(config.qkv_split_shapes)
-    options = {"split_sizes": sizes}
-    matrices = config.matrix_optimizer  # Muon, or the variant the config trains hidden matrices with
-    return [
-        Rule(
-            name="mha_in_proj",
-            algorithm=matrices,
-            group="muon_mha_in_proj",
-            names="*in_proj_weight",
-            module_types="MultiheadAttention",
-            options={"split_parts": 3},
-        ),
-        Rule(
-            name="qkv_names_transposed",
-            algorithm=matrices,
-            group="muon_qkv_transposed",
-            regex=QKV_NAMES,
-            module_types=TRANSPOSED_MODULES,
-            min_ndim=2,
-            options={**options, "transposed": True},
-        ),
-        Rule(name="split_qkv", algorithm=matrices, group="muon_qkv", attributes="is_qkv", min_ndim=2, options=options),
-        Rule(name="qkv_names", algorithm=matrices, group="muon_qkv", regex=QKV_NAMES, min_ndim=2, options=options),
-    ]
 
 
 def _same_schedule(a: Any, b: Any) -> bool:
