@@ -22,6 +22,7 @@ Usage::
     python benchmarks/bench_moe.py              # E = 8 and 64, 2 layers, H = 64, I = 32, 2 ranks
     python benchmarks/bench_moe.py --quick      # E = 8 and 64, 1 layer, H = 32, I = 16 (smoke test)
     python benchmarks/bench_moe.py --world-size 3
+    python benchmarks/bench_moe.py --device cuda    # NCCL, rank r on cuda:r: one GPU per rank
 """
 
 from __future__ import annotations
@@ -38,7 +39,15 @@ from torch import nn
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness is a sibling script
 import scale_counts as sc
 from counting import NSCounter, WireCounter
-from harness import describe_machine, machine_line, run_ranks, table, write_report
+from harness import (
+    add_rank_arguments,
+    check_rank_arguments,
+    describe_machine,
+    machine_line,
+    run_ranks,
+    table,
+    write_report,
+)
 
 from lightning_muon import Muon
 
@@ -53,6 +62,8 @@ EXPERTS = (8, 64)
 @dataclass(frozen=True)
 class Settings:
     world_size: int = 2
+    device: str = "cpu"
+    threads: int = 1
     layers: int = 2
     hidden: int = 64
     inter: int = 32
@@ -102,16 +113,19 @@ def _rank_main(rank: int, w: int, s: Settings) -> dict[str, Any]:
     from lightning_muon.distributed.fsdp import MuonFSDPSharding
     from lightning_muon.distributed.sharded import MuonSharding
 
-    wire, ns = WireCounter(rank, w, WIRE_OPS), NSCounter("cpu")
+    wire, ns = WireCounter(rank, w, WIRE_OPS), NSCounter(s.device)
     wire.install()
     ns.install()
-    mesh = init_device_mesh("cpu", (w,))
+    mesh = init_device_mesh(s.device, (w,))
+    device = torch.device("cuda", rank) if s.device == "cuda" else torch.device("cpu")
     out: dict[str, Any] = {"rank": rank}
     for experts in s.experts:
         shapes = layer_set(s, experts)
         gen = torch.Generator().manual_seed(0)
-        full = {n: torch.randn(shape, generator=gen) for n, (shape, _) in shapes.items()}
-        grads = [{n: torch.randn(shape, generator=gen) for n, (shape, _) in shapes.items()} for _ in range(STEPS)]
+        full = {n: torch.randn(shape, generator=gen).to(device) for n, (shape, _) in shapes.items()}
+        grads = [
+            {n: torch.randn(shape, generator=gen).to(device) for n, (shape, _) in shapes.items()} for _ in range(STEPS)
+        ]
         for config in ("muon_ddp", "muon_fsdp"):
             phase = f"{config}/E={experts}"
             if config == "muon_ddp":
@@ -195,21 +209,24 @@ HEADERS = [
 ]
 
 
-def main(argv: list[str] | None = None) -> int:
+def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    parser.add_argument("--quick", action="store_true", help="1 layer, H = 32, I = 16 (smoke test)")
-    parser.add_argument("--world-size", type=int, default=2, help="gloo ranks (default 2)")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
-    args = parser.parse_args(argv)
-    if args.world_size < 2:
-        parser.error("--world-size must be at least 2")
-    s = Settings(world_size=args.world_size, **(dict(layers=1, hidden=32, inter=16) if args.quick else {}))
-    machine = describe_machine("cpu")
-    ranks = run_ranks(_rank_main, s.world_size, s)
+    add_rank_arguments(parser, DEFAULT_OUT, quick_help="1 layer, H = 32, I = 16 (smoke test)")
+    parser.set_defaults(steps=None)  # counted steps are fixed (STEPS): nothing is timed
+    return check_rank_arguments(parser, parser.parse_args(argv))
+
+
+def main(argv: list[str] | None = None) -> int:
+    args = parse_args(argv)
+    sizes = dict(layers=1, hidden=32, inter=16) if args.quick else {}
+    s = Settings(world_size=args.world_size, device=args.device, threads=args.threads, **sizes)
+    machine = describe_machine(s.device)
+    backend = "nccl" if s.device == "cuda" else "gloo"
+    ranks = run_ranks(_rank_main, s.world_size, s, backend=backend, threads=s.threads)
     rows, report = summarize(s, ranks)
     title = (
         f"{s.layers} layer(s) of gate_up (E, {2 * s.inter}, {s.hidden}) split per expert, down (E, {s.hidden}, "
-        f"{s.inter}), attn ({s.hidden}, {s.hidden}); {s.world_size} ranks (gloo), fp32"
+        f"{s.inter}), attn ({s.hidden}, {s.hidden}); {s.world_size} ranks ({backend}), fp32"
     )
     print(f"== bench_moe: {title} ==")
     print(f"machine: {machine_line(machine)}")
