@@ -24,7 +24,9 @@ Three sums per parameter give both norms: ``||W||^2``, ``<W, O>`` and ``||O||^2`
 over the ranks' pieces (``Sharding.reduce_matrix_sums``): nothing moves under DDP, whose
 owners hold whole matrices, and one all-reduce of ``3 K`` numbers per group under FSDP2,
 where every rank holds a row block of every matrix. (Owners there hold ``O`` whole but not
-``W``; sending ``W`` to them would move every element once more.) The sums are taken in
+``W``; sending ``W`` to them would move every element once more.) An expert stack's ranks hold
+whole experts under every sharding (DDP blocks, FSDP2 and expert-parallel shards): its
+per-expert sums are complete where they are taken, with no collective. The sums are taken in
 float32 at least; the expansion loses relative precision only as ``||W - c O||`` falls far
 below ``||W||``, a step that would all but cancel the weight.
 
