@@ -355,7 +355,8 @@ def _compose(config: MuonConfig) -> tuple[OptimizerConfig, RoutingConfig, Schedu
                 "(the scheduler's warmup applies to them too); set one of them to 0"
             )
     routing = RoutingConfig(
-        rules=(*config.rules, *split_rules(config)),
+        rules=tuple(config.rules),
+        optional_rules=tuple(split_rules(config)),
         default_rules=config.default_rules,
         max_aspect_ratio=config.max_aspect_ratio,
         head_names=config.head_names,

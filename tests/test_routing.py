@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 import textwrap
+import warnings
 
 import pytest
 import torch
@@ -271,15 +272,16 @@ def test_attributes_min_max_ndim():
     model = _gpt()
     model.blocks[0].attn.proj.weight.no_muon = True
     model.blocks[1].mlp.fc2.weight.expert = True
-    groups = route_parameters(
-        model,
-        rules=[
-            Rule(name="flagged", algorithm="adamw", attributes=("no_muon", "expert")),
-            Rule(name="vectors_lion", algorithm="lion", max_ndim=1),
-            Rule(name="too_many_dims", algorithm="adamw", min_ndim=3),
-            Rule(name="matrices", algorithm="muon", names="blocks.*", min_ndim=2, max_ndim=2),
-        ],
-    )
+    with pytest.warns(UserWarning, match="rule 'too_many_dims' matches no tensor"):  # no 3-D tensor here
+        groups = route_parameters(
+            model,
+            rules=[
+                Rule(name="flagged", algorithm="adamw", attributes=("no_muon", "expert")),
+                Rule(name="vectors_lion", algorithm="lion", max_ndim=1),
+                Rule(name="too_many_dims", algorithm="adamw", min_ndim=3),
+                Rule(name="matrices", algorithm="muon", names="blocks.*", min_ndim=2, max_ndim=2),
+            ],
+        )
     names = _names(groups)
     assert names["flagged"] == ["blocks.0.attn.proj.weight", "blocks.1.mlp.fc2.weight"]
     assert names["vectors_lion"] == [n for n, p in model.named_parameters() if p.ndim == 1]
@@ -594,3 +596,41 @@ def test_split_qkv_routes_fused_qkv_weights_with_megatron_split():
         opt.step()
     W_ref, _, _ = muon64(W0, grads, lr=0.02, momentum=0.95, weight_decay=0.0, split_sizes=(4, 2, 2))
     assert_close(model.linear_qkv.weight.detach(), W_ref, atol=1e-12, rtol=0)
+
+
+def test_a_rule_that_routes_nothing_warns_and_shows_in_the_report():
+    """Names are relative to the module routed: a LightningModule holding a Hugging Face model adds ``model.``."""
+
+    class Holder(nn.Module):  # as a LightningModule holds a transformers model: self.model
+        def __init__(self) -> None:
+            super().__init__()
+            self.model = _gpt()
+
+    holder = Holder()
+    rule = Rule(name="q_lion", algorithm="lion", names="blocks.*.attn.qkv.weight")
+    with pytest.warns(UserWarning, match=r"rule 'q_lion' matches no tensor: .* it would match "
+                      r"'model\.blocks\.0\.attn\.qkv\.weight' written as 'blocks\.0\.attn\.qkv\.weight'"):  # fmt: skip
+        groups = route_parameters(holder, rules=[rule])
+    assert groups.idle_rules == [rule]
+    row = next(line for line in groups.report().splitlines() if " q_lion " in line)
+    assert row.split()[:6] == ["q_lion", "lion", "q_lion", "-", "0", "0"] and "(matches no tensor)" in row
+    # The same rule written from the LightningModule's names routes and stays quiet.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        fixed = route_parameters(
+            holder, rules=[Rule(name="q_lion", algorithm="lion", names="model.blocks.*.attn.qkv.weight")]
+        )
+    assert fixed.idle_rules == [] and len(_names(fixed)["q_lion"]) == len(holder.model.blocks)
+    # A rule for frozen tensors (a backbone unfrozen later) is not idle; one whose tensors an
+    # earlier rule took says so.
+    for p in holder.model.blocks.parameters():
+        p.requires_grad_(False)
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        route_parameters(
+            holder, rules=[Rule(name="backbone", algorithm="lion", names="model.blocks.*")], head_by_position=True
+        )
+    first = Rule(name="first", algorithm="adamw", names="model.lm_head.*")
+    shadowed = Rule(name="shadowed", algorithm="lion", names="model.lm_head.weight")
+    with pytest.warns(UserWarning, match="rule 'shadowed' matches no tensor that an earlier rule did not take first"):
+        route_parameters(holder, rules=[first, shadowed])

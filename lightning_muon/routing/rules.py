@@ -250,6 +250,7 @@ class ParamGroups(list):
         assignments: dict[str, str],
         notes: dict[str, str] | None = None,
         experts: dict[str, ExpertStack] | None = None,
+        idle_rules: list[Rule] | None = None,
     ) -> None:
         super().__init__(groups)
         self.assignments = assignments
@@ -258,6 +259,8 @@ class ParamGroups(list):
         """Rule name -> how it decided, shown beside it in the report (how the head was found)."""
         self.experts = experts or {}
         """Parameter name -> its ``ExpertStack``, for every expert stack routed as one (to Muon)."""
+        self.idle_rules = list(idle_rules or [])
+        """The user's rules that routed no tensor (each warned about); the report shows them with 0 tensors."""
 
     def report(self, max_examples: int = 3) -> str:
         """A table, one row per (group, rule): the algorithm, the layout, tensors, elements and examples.
@@ -284,6 +287,8 @@ class ParamGroups(list):
                 examples = ", ".join(names[:max_examples]) + (", ..." if len(names) > max_examples else "")
                 elements = sum(g["params"][j].numel() for j in idx)
                 rows.append((g["name"], g["algorithm"], rule, layout, str(len(idx)), f"{elements:,}", examples))
+        for r in self.idle_rules:
+            rows.append((r.group_name, get_algorithm(r.algorithm).name, r.name, "-", "0", "0", "(matches no tensor)"))
         widths = [max(len(r[i]) for r in rows) for i in range(6)]
         lines = ["  ".join(r[i].ljust(widths[i]) for i in range(6)) + "  " + r[6] for r in rows]
         if self.experts:
@@ -430,6 +435,8 @@ class RoutingConfig:
     """Algorithm of the default rules' hidden matrices: "muon" or a registered variant ("muon_hyperball")."""
     split_gate_up: bool = True
     """Orthogonalize a mixture-of-experts fused gate/up as two matrices per expert (False: one fused matrix)."""
+    optional_rules: tuple[Rule, ...] = ()
+    """Rules tried after ``rules``, before the defaults, that may match nothing quietly (``split_qkv``'s)."""
     router_algorithm: str | None = None
     """Algorithm of mixture-of-experts router weights; None keeps them on the scalar algorithm."""
 
@@ -470,6 +477,7 @@ def route_parameters(
     matrix_algorithm: str = "muon",
     split_gate_up: bool = True,
     router_algorithm: str | None = None,
+    optional_rules: Iterable[Rule | dict[str, Any]] = (),
 ) -> ParamGroups:
     """Split ``module``'s trainable parameters into named param groups by ordered rules.
 
@@ -491,6 +499,15 @@ def route_parameters(
             expert (``experts`` module docstring); False keeps each expert's fused matrix whole.
         router_algorithm: where the default rules send mixture-of-experts router weights;
             None: the scalar algorithm (``"muon"`` or a variant sends them to Muon).
+        optional_rules: rules tried after ``rules`` and before the defaults that may match
+            nothing without a warning (``split_qkv``'s, for models without a fused QKV).
+
+    Names: a rule matches the names of ``module.named_parameters()``, relative to the module
+    routed, exactly as the report prints them. Under Lightning the mixin routes the
+    LightningModule, so a Hugging Face model held as ``self.model`` has names such as
+    ``model.model.layers.0.self_attn.q_proj.weight``. A user rule that routes no tensor gets a
+    warning naming it (with an example name it would match once a leading ``model.`` is
+    dropped or added, where there is one), and a report row with 0 tensors.
 
     Returns:
         ``ParamGroups``: dicts with ``params``, ``param_names``, ``algorithm``, ``name`` and the
@@ -507,6 +524,7 @@ def route_parameters(
     if router_algorithm is not None:
         router_algorithm = get_algorithm(router_algorithm).name
     user_rules = [r if isinstance(r, Rule) else Rule(**r) for r in (rules or [])]
+    extra_rules = [r if isinstance(r, Rule) else Rule(**r) for r in optional_rules]
     module = unwrap_module(module)
     owners = {id(p): m for m in module.modules() for p in m.parameters(recurse=False)}
     embedding_ids = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
@@ -546,7 +564,7 @@ def route_parameters(
     for name, p in module.named_parameters():
         if not p.requires_grad:
             continue
-        rule = next((r for r in (*user_rules, *defaults) if r.matches(p, name, owners.get(id(p)))), None)
+        rule = next((r for r in (*user_rules, *extra_rules, *defaults) if r.matches(p, name, owners.get(id(p)))), None)
         if rule is None:
             raise ValueError(f"route_parameters: no rule matches parameter {name!r} of shape {tuple(p.shape)}")
         algorithm = get_algorithm(rule.algorithm).name  # an import path becomes the registered name
@@ -599,7 +617,35 @@ def route_parameters(
             UserWarning,
             stacklevel=2,
         )
-    return ParamGroups(groups.values(), assignments, {"output_head": head_how}, routed_stacks)
+    used = set(assignments.values())
+    frozen = [(n, p) for n, p in module.named_parameters() if not p.requires_grad]
+    # A rule for frozen tensors (a backbone that BackboneFinetuning unfreezes later) is not idle.
+    idle = [
+        r for r in user_rules
+        if r.name not in used and not any(r.matches(p, n, owners.get(id(p))) for n, p in frozen)
+    ]  # fmt: skip
+    for r in idle:
+        warnings.warn(_idle_rule_message(r, module, owners, user_rules), UserWarning, stacklevel=2)
+    return ParamGroups(groups.values(), assignments, {"output_head": head_how}, routed_stacks, idle)
+
+
+def _idle_rule_message(rule: Rule, module: nn.Module, owners: dict[int, nn.Module], user_rules: list[Rule]) -> str:
+    """Why a user rule routed nothing: it matches no name, or only names an earlier rule took; and a near miss."""
+    params = [(n, p) for n, p in module.named_parameters() if p.requires_grad]
+    message = f"route_parameters: rule {rule.name!r} matches no tensor"
+    taken = [n for n, p in params if rule.matches(p, n, owners.get(id(p)))]
+    if taken:
+        return f"{message} that an earlier rule did not take first (e.g. {taken[0]!r})"
+    for n, p in params:
+        for alt in (n.split(".", 1)[1] if "." in n else None, f"model.{n}"):
+            if alt is not None and rule.matches(p, alt, owners.get(id(p))):
+                return (
+                    f"{message}: names are relative to the module routed (as the report prints them); it would "
+                    f"match {n!r} written as {alt!r}, so a leading 'model.' is "
+                    f"{'missing from' if alt.startswith('model.') and not n.startswith('model.') else 'extra in'} "
+                    "its pattern"
+                )
+    return f"{message} (e.g. the names start {params[0][0]!r} ...)" if params else message
 
 
 def _user_stack(name: str, p: Tensor, layout: MatrixLayout, rule: Rule) -> ExpertStack:
