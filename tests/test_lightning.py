@@ -10,6 +10,7 @@ from __future__ import annotations
 import copy
 import csv
 import math
+import re
 from pathlib import Path
 
 import lightning.pytorch as pl
@@ -35,6 +36,8 @@ from lightning_muon import (
 )
 from lightning_muon_demo.data import CharTextDataModule
 from lightning_muon_demo.module import CharGPTModule
+
+ROOT = Path(__file__).resolve().parents[1]
 
 # Noise from Lightning itself on tiny CPU runs.
 pytestmark = pytest.mark.filterwarnings(
@@ -237,6 +240,14 @@ def test_learning_rate_monitor_logs_every_group_lr_and_momentum(tmp_path):
         assert float(row["muon/muon-momentum"]) == pytest.approx(muon_momentum[s], abs=1e-12)
         # AdamW groups report beta1 as their momentum; the warmup leaves them alone.
         assert float(row["muon/adamw-momentum"]) == float(row["muon/adamw_no_decay-momentum"]) == 0.8
+    # Every LR-monitor key the docs and examples name is one that was logged.
+    documented = set()
+    for page in [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md")), *sorted((ROOT / "examples").rglob("*.md"))]:
+        text = page.read_text()
+        if "LearningRateMonitor" in text:
+            documented |= set(re.findall(r"`(lr-\w+/\w+|muon/\w+(?:-momentum)?)`", text))  # group curves
+    assert {"muon/muon", "muon/adamw"} <= documented  # the pages that name them were read
+    assert documented <= expected_columns, documented - expected_columns
 
 
 # --- clipping, accumulation, precision ------------------------------------------------------
