@@ -49,6 +49,7 @@ from lightning_muon.newton_schulz import resolve_ns_dtype
 __all__ = ["FSDP_MODES", "MuonFSDPSharding", "exchange_with_owners", "muon_params", "shard_rows"]
 
 FSDP_MODES = ("owner", "blockwise")
+ROWS = (Shard(0),)  # fully_shard's placement: row blocks of dim 0
 
 
 def shard_rows(rows: int, world_size: int) -> list[int]:
@@ -272,28 +273,17 @@ class MuonFSDPSharding(Sharding):
 
         Each piece is placed as ``like`` is: its dim 0 holds the same rows (or experts).
         """
-        out = []
-        for piece, shape in zip(local_pieces, layout.piece_shapes(like.shape)):
-            shape = torch.Size(shape)
-            local = piece.reshape(-1, *shape[1:]) if len(shape) > 1 else piece
-            out.append(
-                DTensor.from_local(
-                    local.contiguous(),
-                    like.device_mesh,
-                    like.placements,
-                    run_check=False,
-                    shape=shape,
-                    stride=_strides(shape),
-                )  # fmt: skip
-            )
-        return out
+        return [
+            self._as_dtensor(piece, like.device_mesh, shape, like.placements)
+            for piece, shape in zip(local_pieces, layout.piece_shapes(like.shape))
+        ]
 
-    def _as_dtensor(self, local: Tensor, mesh, shape: Sequence[int]) -> Tensor:
-        """A ``Shard(0)`` DTensor of global ``shape`` with ``local`` as this rank's rows."""
+    def _as_dtensor(self, local: Tensor, mesh, shape: Sequence[int], placements=ROWS) -> Tensor:
+        """A DTensor of global ``shape`` with ``local`` as this rank's rows (``Shard(0)`` unless told)."""
         shape = torch.Size(shape)
         local = local.reshape(-1, *shape[1:]) if len(shape) > 1 else local
         return DTensor.from_local(
-            local.contiguous(), mesh, (Shard(0),), run_check=False, shape=shape, stride=_strides(shape)
+            local.contiguous(), mesh, tuple(placements), run_check=False, shape=shape, stride=_strides(shape)
         )
 
     def _observe(
