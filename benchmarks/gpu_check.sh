@@ -59,19 +59,6 @@
 # GPU_CHECK_SMOKE=1 (as --smoke), GPU_CHECK_BUDGET, GPU_CHECK_WHEELS (default .gpu_wheels),
 # GPU_CHECK_TAIL (log lines echoed after each step, default 6).
 #
-# Not wired (no such flag or benchmark yet):
-# TODO(issue 36): the step table of benchmarks/bench_optimizer.py has fixed models (d=64 x 12,
-#   384 x 6, 768 x 2: `_models` in benchmarks/step_table.py); no flag selects d=768 x 12 or
-#   d=2048 x 24.
-# TODO(issue 36): no benchmark measures Muon's share of a real GPT-2-small training step
-#   (forward + backward + step) on one GPU; the step timing of benchmarks/bench_ddp.py needs
-#   at least 2 ranks. The scale_model step predicts it ("% of step") from rates measured on
-#   the GPU.
-# TODO(issue 36): examples/muon_vs_adamw/main.py (the README's main job) has no --accelerator
-#   or --device flag (lightning_muon_demo.experiment.train takes device=, the script does not
-#   pass it), so it runs on the CPU here; the demo GPT trains on the GPU in the cli_fit step
-#   (python -m lightning_muon fit --trainer.accelerator=gpu) instead.
-
 set -uo pipefail # no -e: a failed step must not stop the others
 
 ROOT="$(cd "$(dirname "${BASH_SOURCE[0]}")/.." && pwd)"
@@ -254,6 +241,9 @@ export -f env_info install
 
 # ---------------------------------------------------------------- the run
 
+XDIST=""
+"$PY" -c "import xdist" 2>/dev/null && XDIST="-n 8"
+
 echo "gpu_check.sh: $([ "$SMOKE" = 1 ] && echo "smoke (cpu)" || echo "gpu"), budget ${BUDGET}s, out $OUT"
 
 step env 60 bash -c env_info
@@ -272,6 +262,7 @@ if [ "$SMOKE" = 1 ]; then
     else
         skip bench_memory "no benchmarks/bench_memory.py"
     fi
+    step train_step 60 "$PY" benchmarks/bench_train_step.py --device cpu --quick --out "$OUT/bench_train_step.json"
     step main_job 60 "$PY" examples/muon_vs_adamw/main.py --steps 2 --eval-every 1 --out "$OUT/muon_vs_adamw"
     step cli_fit 60 "$PY" -m lightning_muon fit --config configs/muon.yaml --trainer.accelerator=cpu \
         --trainer.devices=1 --trainer.max_steps=3 --trainer.val_check_interval=3 --trainer.limit_val_batches=1 \
@@ -300,13 +291,17 @@ else
     else
         skip bench_memory "no benchmarks/bench_memory.py"
     fi
-    # The README's main job, short (on the CPU: it has no device flag, see the TODO above).
-    step main_job 120 "$PY" examples/muon_vs_adamw/main.py --steps 60 --eval-every 20 --out "$OUT/muon_vs_adamw"
+    # Muon's share of a GPT-2-small training step (forward + backward + step), ours and torch.optim.Muon's.
+    step train_step 120 "$PY" benchmarks/bench_train_step.py --device cuda --out "$OUT/bench_train_step.json"
+    # The README's main job on the GPU, short.
+    step main_job 120 "$PY" examples/muon_vs_adamw/main.py --device cuda --steps 100 --eval-every 50 \
+        --out "$OUT/muon_vs_adamw"
     # The demo GPT of configs/muon.yaml on the GPU through the CLI, short.
     step cli_fit 120 "$PY" -m lightning_muon fit --config configs/muon.yaml --trainer.accelerator=gpu \
         --trainer.devices=1 --trainer.max_steps=200 --trainer.val_check_interval=100 \
         --trainer.enable_progress_bar=false --trainer.default_root_dir="$OUT/cli_fit"
-    step pytest_numerics_distributed 300 "$PY" -m pytest -q -p no:cacheprovider --continue-on-collection-errors \
+    # pytest-xdist, where installed, spreads them over the machine's cores.
+    step pytest_numerics_distributed 300 "$PY" -m pytest -q -p no:cacheprovider --continue-on-collection-errors $XDIST \
         -m "numerics or distributed" \
         --durations=15 tests/
     step bench_optimizer_rest 150 "$PY" benchmarks/bench_optimizer.py --device cuda \

@@ -4,6 +4,7 @@ every benchmark script takes ``--device cuda``."""
 from __future__ import annotations
 
 import importlib.util
+import json
 import math
 import sys
 from pathlib import Path
@@ -91,7 +92,7 @@ def test_every_benchmark_takes_device_cuda(path, monkeypatch):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 8)
     assert module.parse_args(["--device", "cuda"]).device == "cuda"
-    if path.stem != "bench_optimizer":  # the one that picks cuda when there is one
+    if path.stem not in ("bench_optimizer", "bench_train_step"):  # the ones that pick cuda when there is one
         assert module.parse_args([]).device == "cpu"
 
 
@@ -129,3 +130,18 @@ def test_interleaved_rounds_mix_the_order_so_every_call_follows_every_other():
     neighbours = {(x, y) for r in rounds for x, y in zip(r, r[1:])}
     assert neighbours == {(x, y) for x in keys for y in keys if x != y}
     assert {r[0] for r in rounds} == set(keys)
+
+
+def test_train_step_benchmark_times_both_optimizers_on_the_same_steps(tmp_path, monkeypatch):
+    """bench_train_step --quick: a tiny GPT-2's step in two parts, ours and torch.optim.Muon's, shares in (0, 1)."""
+    module = _load(ROOT / "benchmarks" / "bench_train_step.py", monkeypatch)
+    out = tmp_path / "train_step.json"
+    assert module.main(["--quick", "--device", "cpu", "--steps", "2", "--warmup", "1", "--out", str(out)]) == 0
+    report = json.loads(out.read_text())
+    ours, reference = report["rows"]
+    assert ours["optimizer"].startswith("ours") and reference["optimizer"].startswith("torch.optim.Muon")
+    for row in (ours, reference):
+        assert 0 < row["step_share"] < 1 and row["fwd_bwd_ms"] > 0 and row["step_ms"] > 0
+    assert ours["step_ratio_vs_torch"] == pytest.approx(ours["step_ms"] / reference["step_ms"])
+    assert report["targets"] == []  # the 3% target is a GPU's
+    assert report["model"]["n_layer"] == 2

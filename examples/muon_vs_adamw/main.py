@@ -1,7 +1,7 @@
 """The main job: train the bundled character-level GPT with Muon and with AdamW, and show the difference.
 
 Run: python examples/muon_vs_adamw/main.py [--config examples/muon_vs_adamw/config.yaml] [--steps 300]
-    [--out runs/muon_vs_adamw]
+    [--out runs/muon_vs_adamw] [--device cpu|cuda]
 
 Both runs train the same model on the same windows of the default corpus (the Python
 standard library's own source) for the same number of steps, with the same schedule.
@@ -21,6 +21,7 @@ import csv
 import json
 from pathlib import Path
 
+import torch
 import yaml
 from lightning.pytorch.loggers import CSVLogger
 
@@ -117,14 +118,19 @@ def main() -> None:
     parser.add_argument("--steps", type=int, default=None, help="optimizer steps per run (overrides the config)")
     parser.add_argument("--eval-every", type=int, default=None, help="validation interval in steps")
     parser.add_argument("--out", type=Path, default=Path("runs/muon_vs_adamw"), help="output folder")
+    parser.add_argument(
+        "--device", default="cpu", help="cpu (the default, what the README's numbers come from) or cuda[:i]: one GPU"
+    )
     args = parser.parse_args()
+    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
+        parser.error("--device cuda: CUDA is not available here")
     settings = yaml.safe_load(args.config.read_text())
     overrides = {"steps": args.steps, "eval_every": args.eval_every}
     settings |= {k: v for k, v in overrides.items() if v is not None}
     spectra_every = settings.pop("spectra_every_n_steps")
     out: Path = args.out
     out.mkdir(parents=True, exist_ok=True)
-    machine = machine_name()
+    machine = f"{machine_name(args.device)}; trained on {args.device}"
 
     runs = {}
     for optimizer in ("muon", "adamw"):
@@ -132,7 +138,9 @@ def main() -> None:
         print(f"\n== {spec.label}: {spec.steps} steps ==")
         callbacks = [UpdateSpectrumMonitor(every_n_steps=spectra_every)] if optimizer == "muon" else []
         logger = CSVLogger(out, name=optimizer, version="")
-        runs[optimizer] = train(spec, progress_bar=True, callbacks=callbacks, logger=logger, root_dir=out)
+        runs[optimizer] = train(
+            spec, progress_bar=True, callbacks=callbacks, logger=logger, root_dir=out, device=args.device
+        )
     spectra = last_spectra(out / "muon" / "metrics.csv")
     summary = summarize(runs["muon"], runs["adamw"])
     plot = plot_curves(
