@@ -57,7 +57,11 @@
 #
 # Environment: OUT (default: a new temporary folder), PYTHON (default python3),
 # GPU_CHECK_SMOKE=1 (as --smoke), GPU_CHECK_BUDGET, GPU_CHECK_WHEELS (default .gpu_wheels),
-# GPU_CHECK_TAIL (log lines echoed after each step, default 6).
+# GPU_CHECK_TAIL (log lines echoed after each step, default 6), GPU_CHECK_SKIP (step names to
+# skip, space-separated: a rerun of what failed, say GPU_CHECK_SKIP="main_job cli_fit").
+#
+# The device tool brings back at most 8 files: at the end everything under $OUT but
+# summary.txt is packed into $OUT/gpu_check.tgz (and removed), so all of it comes back.
 #
 set -uo pipefail # no -e: a failed step must not stop the others
 
@@ -88,6 +92,7 @@ OUT="$(cd "$OUT" && pwd)"
 WHEELS="${GPU_CHECK_WHEELS:-$ROOT/.gpu_wheels}"
 if [ "$SMOKE" = 1 ]; then BUDGET="${GPU_CHECK_BUDGET:-120}"; else BUDGET="${GPU_CHECK_BUDGET:-540}"; fi
 TAIL="${GPU_CHECK_TAIL:-6}"
+SKIP_STEPS="${GPU_CHECK_SKIP:-}"
 MIN_STEP_S=15
 export PY OUT ROOT SMOKE WHEELS
 export PYTHONPATH="$ROOT${PYTHONPATH:+:$PYTHONPATH}"
@@ -110,6 +115,10 @@ now_ms() { echo $((($(date +%s%N) - START_NS) / 1000000)); }
 step() {
     local name=$1 cap=$2
     shift 2
+    if [[ " $SKIP_STEPS " == *" $name "* ]]; then
+        skip "$name" "GPU_CHECK_SKIP"
+        return
+    fi
     local n=$((${#NAMES[@]} + 1))
     local log
     log=$(printf '%s/logs/%02d_%s.log' "$OUT" "$n" "$name")
@@ -278,7 +287,7 @@ else
         --durations=10 tests/
     # Newton-Schulz TFLOP/s against the bare matmuls in fp32 and bf16 (roofline, d up to 4096), and the
     # whole optimizer step against torch.optim.Muon + AdamW (step).
-    step bench_optimizer 200 "$PY" benchmarks/bench_optimizer.py --device cuda --sections roofline step \
+    step bench_optimizer 200 "$PY" benchmarks/bench_optimizer.py --device cuda --sections roofline step batching \
         --out "$OUT/bench_optimizer.json"
     # GEMM, Newton-Schulz and copy rates measured on this GPU, then the predicted optimizer +
     # exposed-communication time as "% of step" for GPT-2 small (d=768 x 12) and 1.3B (d=2048 x 24).
@@ -301,11 +310,12 @@ else
         --trainer.devices=1 --trainer.max_steps=200 --trainer.val_check_interval=100 \
         --trainer.enable_progress_bar=false --trainer.default_root_dir="$OUT/cli_fit"
     # pytest-xdist, where installed, spreads them over the machine's cores.
-    step pytest_numerics_distributed 300 "$PY" -m pytest -q -p no:cacheprovider --continue-on-collection-errors $XDIST \
+    # -v: each test's verdict is a log line as it ends, so a run cut short by its cap still names its failures.
+    step pytest_numerics_distributed 300 "$PY" -m pytest -v -p no:cacheprovider --continue-on-collection-errors $XDIST \
         -m "numerics or distributed" \
         --durations=15 tests/
     step bench_optimizer_rest 150 "$PY" benchmarks/bench_optimizer.py --device cuda \
-        --sections accuracy batching gram symmetric --out "$OUT/bench_optimizer_rest.json"
+        --sections accuracy gram symmetric --out "$OUT/bench_optimizer_rest.json"
 fi
 
 # Whatever the steps wrote to benchmarks/results/ (their default output folder) during this run.
@@ -337,4 +347,9 @@ skipped=0
     printf 'total %d.%d s; %d failed, %d skipped\n' $((total / 1000)) $(((total % 1000) / 100)) "$failed" "$skipped"
 } >"$OUT/summary.txt" # braces, not a pipe: the counts stay in this shell
 cat "$OUT/summary.txt"
+# One archive of everything else (the device tool returns at most 8 files), then only it and the summary.
+(cd "$OUT" && find . -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name gpu_check.tgz -print0 |
+    xargs -0 tar czf gpu_check.tgz && find . -mindepth 1 -maxdepth 1 ! -name summary.txt ! -name gpu_check.tgz \
+    -exec rm -rf {} +)
+echo "packed: $OUT/gpu_check.tgz ($(du -h "$OUT/gpu_check.tgz" | cut -f1))"
 exit $((failed > 0))

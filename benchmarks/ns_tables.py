@@ -250,6 +250,9 @@ def bench_batching(settings: Settings) -> dict[str, Any]:
             (768, 768),
             (768, 3072),
         )
+        if device.type == "cuda":  # GPT-2's shapes up to where stacks reach on a GPU (2^24 elements), and past it
+            shapes = ((256, 1024), (768, 768), (768, 3072), (1024, 4096), (2048, 2048), (2048, 8192), (4096, 4096))
+            shapes += ((4096, 8192),)
     count = 12
     auto = resolve_ns_dtype(None, device, torch.float32)
     budget = min(settings.budget_s, 1.5)

@@ -225,7 +225,12 @@ def measure_step_rows(settings: Settings) -> list[dict[str, Any]]:
         for key, (label, _, _, dtype_label) in variants.items():
             row = {**shape, "variant": key, "optimizer": label, "ns_dtype": dtype_label}
             if (model, key) not in timings:
-                why = {"skipped_predicted_s": skipped[model]} if key != "heavyball" else {"skipped": "not installed"}
+                if key == "heavyball":
+                    why: dict[str, Any] = {"skipped": "not installed"}
+                elif model in skipped:
+                    why = {"skipped_predicted_s": skipped[model]}
+                else:  # the forced-bf16 row on a GPU: "keller" already runs in bf16 there
+                    why = {"skipped": "same as keller (bf16 is the automatic dtype here)"}
                 rows.append({**row, **why})
                 continue
             t = timings[(model, key)]

@@ -13,6 +13,7 @@ from collections.abc import Sequence
 
 import torch
 from torch import Tensor
+from torch.distributed.tensor import DTensor
 
 from lightning_muon.layout import MatrixLayout
 from lightning_muon.newton_schulz import orthogonalize_many
@@ -115,13 +116,23 @@ def muon_momentum_(
     # Out-of-place foreach ops run at half the speed of a loop on CPU (measured: 29 ms against
     # 14 ms for the Nesterov lerp of a d=384 x 6 GPT's matrices on 2 cores), so the update is
     # made tensor by tensor there; CUDA's foreach kernels batch the launches.
-    if grads and grads[0].device.type == "cpu":
+    if grads and not _foreach_pays(grads[0]):
         if form == "sum":
             return [g.add(b, alpha=momentum) for g, b in zip(grads, bufs)]
         return [g.lerp(b, momentum) for g, b in zip(grads, bufs)]
     if form == "sum":
         return list(torch._foreach_add(grads, bufs, alpha=momentum))
     return list(torch._foreach_lerp(grads, bufs, momentum))
+
+
+def _foreach_pays(t: Tensor) -> bool:
+    """Whether an out-of-place foreach op beats a loop over tensors like ``t``: on a GPU, for plain tensors.
+
+    DTensors go tensor by tensor: torch 2.11 registers no sharding rule for the out-of-place
+    ``_foreach_lerp`` (FSDP2's gradients and buffers on a GPU failed there), and the loop is
+    what every version supports.
+    """
+    return t.device.type != "cpu" and not isinstance(t, DTensor)
 
 
 def muon_orthogonalize(
@@ -327,7 +338,10 @@ def lion_(
     """
     if weight_decay != 0.0:
         torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-    direction = torch._foreach_lerp(exp_avgs, grads, 1.0 - beta1)
+    if exp_avgs and _foreach_pays(exp_avgs[0]):
+        direction = list(torch._foreach_lerp(exp_avgs, grads, 1.0 - beta1))
+    else:
+        direction = [m.lerp(g, 1.0 - beta1) for m, g in zip(exp_avgs, grads)]
     torch._foreach_sign_(direction)
     torch._foreach_add_(params, direction, alpha=-lr)
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)

@@ -44,6 +44,7 @@ from lightning_muon.symmetric import SymmetricProduct, symmetric_blocks
 
 __all__ = [
     "BATCH_MAX_ELEMENTS",
+    "CUDA_BATCH_MAX_ELEMENTS",
     "COEFFICIENTS",
     "DTYPES",
     "FAST_BF16_ENV",
@@ -168,10 +169,14 @@ BATCH_MAX_ELEMENTS = 1 << 17
 # 0.92 at 384 x 1536, 0.97-0.99 at 512 x 1024 and 256 x 2048; past the bounds stacks lose:
 # 1.03 at 448 x 1792, 1.11 at 768 x 768 and 512 x 2048, 1.15 at 384 x 3072 (one by one,
 # those run their symmetric products by blocks, see ``symmetric``). float32 gains nothing
-# there (0.97-1.11 from 192 x 768 to 384 x 1536), and CUDA was not measured: both keep
-# ``BATCH_MAX_ELEMENTS``.
+# there (0.97-1.11 from 192 x 768 to 384 x 1536): it keeps ``BATCH_MAX_ELEMENTS``.
 HALF_BATCH_MAX_ELEMENTS = 384 * 1536
 HALF_BATCH_MAX_SHORT_SIDE = 512
+# On a GPU a step of small matrices one by one is bound by kernel launches (each ~5-10 us;
+# torch.optim.Muon's loop took 17.7 ms for GPT-2 small's 48 matrices on an H100, whose
+# Newton-Schulz arithmetic is ~2.5 ms there), and a batched product of same-shape matrices
+# keeps the tensor cores busy: stacks reach up to 2^24 elements (4096 x 4096, 2048 x 8192).
+CUDA_BATCH_MAX_ELEMENTS = 1 << 24
 # Upper bound on the elements of one stacked batch, to bound the extra memory.
 _STACK_MAX_ELEMENTS = 1 << 26
 
@@ -576,13 +581,15 @@ def _gram_newton_schulz(X: Tensor, schedule: list[Coefficients]) -> Tensor:
 def stacks(rows: int, cols: int, work_dtype: torch.dtype, device: torch.device) -> bool:
     """Whether same-shape ``rows x cols`` matrices iterated in ``work_dtype`` run stacked (one batched iteration).
 
-    Up to ``BATCH_MAX_ELEMENTS`` elements everywhere; in bf16 or fp16 on a CPU, up to
-    ``HALF_BATCH_MAX_ELEMENTS`` with a short side of at most ``HALF_BATCH_MAX_SHORT_SIDE``
-    (where that was measured faster).
+    Up to ``BATCH_MAX_ELEMENTS`` elements everywhere; on a GPU up to ``CUDA_BATCH_MAX_ELEMENTS``;
+    in bf16 or fp16 on a CPU, up to ``HALF_BATCH_MAX_ELEMENTS`` with a short side of at most
+    ``HALF_BATCH_MAX_SHORT_SIDE`` (where that was measured faster).
     """
     elements = rows * cols
     if elements <= BATCH_MAX_ELEMENTS:
         return True
+    if device.type == "cuda":
+        return elements <= CUDA_BATCH_MAX_ELEMENTS
     half = work_dtype in (torch.bfloat16, torch.float16)
     return (
         half

@@ -309,19 +309,23 @@ def test_orthogonalize_many_equals_one_by_one(monkeypatch, max_elements, stack_m
         assert_close(Q, orthogonalize(M), atol=1e-12, rtol=0)
 
 
-def test_stacks_reach_further_only_in_half_precision_on_a_cpu():
-    """Up to ``BATCH_MAX_ELEMENTS`` every dtype and device stacks; past it only bf16/fp16 on a CPU, within bounds."""
+def test_stacks_reach_further_on_a_gpu_and_in_half_precision_on_a_cpu():
+    """Up to ``BATCH_MAX_ELEMENTS`` every dtype and device stacks; past it a GPU up to 2^24, bf16/fp16 on a CPU less."""
     cpu, cuda = torch.device("cpu"), torch.device("cuda")
     assert ns.BATCH_MAX_ELEMENTS == 1 << 17 and ns.HALF_BATCH_MAX_ELEMENTS == 384 * 1536
+    assert ns.CUDA_BATCH_MAX_ELEMENTS == 1 << 24
     for dtype in (torch.float64, torch.float32, torch.bfloat16, torch.float16):
         for device in (cpu, cuda):
             assert ns.stacks(256, 512, dtype, device) and ns.stacks(512, 256, dtype, device)  # 2^17 elements
-            assert not ns.stacks(384, 3072, dtype, device)
+        assert not ns.stacks(384, 3072, dtype, cpu)
+        # A GPU stacks GPT-2 small's and a 1.3B model's matrices, up to 2^24 elements.
+        for rows, cols in ((768, 768), (3072, 768), (768, 3072), (2048, 8192), (4096, 4096)):
+            assert ns.stacks(rows, cols, dtype, cuda), (rows, cols, dtype)
+        assert not ns.stacks(4096, 4097, dtype, cuda) and not ns.stacks(8192, 8192, dtype, cuda)
     for dtype in (torch.bfloat16, torch.float16):
         # A d=384 GPT's matrices (qkv, projection, fc1 and fc2), and up to a short side of 512.
         for rows, cols in ((1152, 384), (384, 384), (1536, 384), (384, 1536), (512, 1024), (257, 512)):
             assert ns.stacks(rows, cols, dtype, cpu), (rows, cols, dtype)
-            assert not ns.stacks(rows, cols, dtype, cuda)  # not measured there: the common bound
             assert not ns.stacks(rows, cols, torch.float32, cpu)
         assert not ns.stacks(768, 768, dtype, cpu)  # short side past 512 (590K elements, as 384 x 1536)
         assert not ns.stacks(513, 1024, dtype, cpu)
