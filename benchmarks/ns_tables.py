@@ -23,6 +23,7 @@ from torch import Tensor
 from lightning_muon.newton_schulz import (
     BATCH_MAX_ELEMENTS,
     COEFFICIENTS,
+    CUDA_BATCH_MAX_ELEMENTS,
     GRAM_MIN_ASPECT,
     GRAM_MIN_SHORT_SIDE,
     HALF_BATCH_MAX_ELEMENTS,
@@ -301,8 +302,8 @@ def bench_batching(settings: Settings) -> dict[str, Any]:
     print(f"\n== batching: {count} same-shape matrices, {dtype_name(auto)}, ms per call ==")
     print(
         f"many = orthogonalize_many (stacks shapes with <= BATCH_MAX_ELEMENTS = {BATCH_MAX_ELEMENTS:,} elements;"
-        f" in bf16/fp16 on a CPU up to {HALF_BATCH_MAX_ELEMENTS:,} with a short side <= {HALF_BATCH_MAX_SHORT_SIDE};"
-        " else the same per-matrix loop)"
+        f" on a GPU up to {CUDA_BATCH_MAX_ELEMENTS:,}; in bf16/fp16 on a CPU up to {HALF_BATCH_MAX_ELEMENTS:,} with a"
+        f" short side <= {HALF_BATCH_MAX_SHORT_SIDE}; else the same per-matrix loop)"
     )
     print(
         "stacked = orthogonalize(torch.stack(...)) forced at every size; speed-up = loop time / other time;"

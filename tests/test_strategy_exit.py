@@ -34,7 +34,10 @@ def test_the_handler_is_registered_once_and_destroys_the_group(tmp_path, registe
     assert registered == [exit_module._destroy]
     dist.init_process_group("gloo", init_method=f"file://{tmp_path / 'store'}", rank=0, world_size=1)
     assert dist.is_initialized()
-    workers = exit_module._gloo_workers()  # the group's worker threads, idle between collectives
+    # The group's worker threads, idle between collectives once they have settled: just after
+    # the group starts one may still be running (seen on a busy 16-core machine under xdist).
+    exit_module._wait_for_gloo_workers()
+    workers = exit_module._gloo_workers()
     assert workers and all(state.startswith("S") for state, *_ in workers.values()), workers
     registered[0]()
     assert not dist.is_initialized()
