@@ -23,23 +23,39 @@ Which data a model gets:
 
 The run's config is saved to the run's log directory as ``config.yaml``, never over a
 ``--config`` input or a file the CLI did not write (then ``config_1.yaml``, ...).
+
+A rejected value or option is reported in two lines: the first names it as written
+(``error: model.init_args.muon_config.falloff: 'cosin' is not one of ...; did you mean
+'cosine'?``), with the choices or the nearest valid option name, the second points to ``--help``.
+
+Besides LightningCLI's subcommands, ``convert-checkpoint DIR OUT.ckpt`` turns a ``muon_fsdp``
+checkpoint folder into one file (``lightning_muon.checkpoints.convert_checkpoint``).
 """
 
 from __future__ import annotations
 
+import ast
+import dataclasses
+import difflib
 import importlib
 import inspect
 import os
+import re
 import sys
+import types
+import typing
 from argparse import ArgumentError
-from typing import Any, NoReturn
+from pathlib import Path
+from typing import Any, Literal, NoReturn, Union
 
 import lightning.pytorch as pl
+import yaml
 from jsonargparse import ActionConfigFile, Namespace
 from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
+from lightning_muon import checkpoints
 from lightning_muon.bundled_configs import bundled_configs, find_config
 
 __all__ = ["BundledConfigFile", "MuonCLI", "MuonSaveConfigCallback", "main", "register_demo_data"]
@@ -97,6 +113,61 @@ def _try_import(class_path: str) -> type | None:
         return _import_class(class_path)
     except (ImportError, AttributeError, ValueError):
         return None
+
+
+def _plain(value: Any) -> Any:
+    """``value`` as YAML holds it: Namespaces and dataclasses as dicts, tuples as lists."""
+    if isinstance(value, Namespace):
+        value = value.as_dict()
+    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
+        value = dataclasses.asdict(value)
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    if isinstance(value, (list, tuple)):
+        return [_plain(v) for v in value]
+    return value
+
+
+def _class_defaults(cls: Any) -> dict[str, Any]:
+    """The defaults of ``cls``'s init arguments (a dataclass's fields included), as YAML holds them."""
+    if dataclasses.is_dataclass(cls):
+        out = {}
+        for f in dataclasses.fields(cls):
+            if f.default is not dataclasses.MISSING:
+                out[f.name] = _plain(f.default)
+            elif f.default_factory is not dataclasses.MISSING:
+                out[f.name] = _plain(f.default_factory())
+        return out
+    try:
+        parameters = inspect.signature(cls).parameters.values()
+    except (TypeError, ValueError):
+        return {}
+    return {p.name: _plain(p.default) for p in parameters if p.default is not inspect.Parameter.empty}
+
+
+def _derived_from(given: Any, final: Any, annotation: Any) -> bool:
+    """Whether ``final`` (a parsed argument) still carries the bundled config's ``given`` value.
+
+    A section (a dict, such as ``muon_config``) counts as kept when one of its values that
+    differs from the class's default survives: ``--model.init_args.muon_config=null`` followed
+    by single fields makes a fresh one, not the bundled one.
+    """
+    final = _plain(final)
+    if final is None:
+        return False
+    if not isinstance(given, dict) or not isinstance(final, dict):
+        return _plain(given) == final
+    defaults = _class_defaults(_class_of(annotation))
+    telling = {k: _plain(v) for k, v in given.items() if k not in defaults or defaults[k] != _plain(v)}
+    return any(final.get(k) == v for k, v in telling.items())
+
+
+def _same_class(a: str, b: str) -> bool:
+    """Whether the class paths ``a`` and ``b`` name one class (``pkg.Model`` and ``pkg.module.Model``)."""
+    if a == b:
+        return True
+    first, second = _try_import(a), _try_import(b)
+    return first is not None and first is second
 
 
 def _is_class(class_path: object, target: str) -> bool:
@@ -168,11 +239,159 @@ def _instantiation_cause(err: ValueError) -> str | None:
     return deepest.strip().removeprefix("- ")
 
 
+# The structure of a jsonargparse error: the keys and class paths down to the cause, and the cause.
+_KEY_LINE = re.compile(r'^Parser key "([^"]+)":$')
+_CLASS_LINE = re.compile(r"^Problem with given class_path '([^']+)':$")
+_UNKNOWN_KEY = (  # 4.41's words and 4.42's
+    re.compile(r"Unrecognized arguments: --?([^\s=]+)"),
+    re.compile(r"Key '([^']+)' is not expected"),
+    re.compile(r"Option '([^']+)' is not accepted"),
+)
+_EXPECTED = re.compile(r"Expected an? (?:<class '([^']+)'>|(.+?))\. Got value: (.*)$")
+_NESTED_ARG = re.compile(r"^NestedArg\(key='([^']*)', val=(.*)\)$")
+_STRUCTURE = ("- Expected a <class 'NoneType'>", "Given value", "Subtypes:", "Errors:", *_UNION_NOISE)
+
+
+def _text(line: str) -> str:
+    return line.strip().removeprefix("- ")
+
+
+def _indent(line: str) -> int:
+    return len(line) - len(line.lstrip())
+
+
+def _fields(cls: Any) -> dict[str, Any]:
+    """The init arguments of ``cls`` (a dataclass's fields, a class's ``__init__`` parameters) and their types."""
+    try:
+        if dataclasses.is_dataclass(cls):
+            hints = typing.get_type_hints(cls)
+            return {f.name: hints.get(f.name) for f in dataclasses.fields(cls) if f.init}
+        parameters = inspect.signature(cls).parameters
+    except (TypeError, ValueError, NameError):
+        return {}
+    try:
+        hints = typing.get_type_hints(cls.__init__)
+    except Exception:  # an annotation that does not resolve here: names without types
+        hints = {}
+    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
+    return {name: hints.get(name) for name, p in parameters.items() if p.kind not in variadic}
+
+
+def _alternatives(tp: Any) -> list[Any]:
+    """The members of a union (``X | None`` included), else ``[tp]``."""
+    if typing.get_origin(tp) in (Union, types.UnionType):
+        return [a for alt in typing.get_args(tp) for a in _alternatives(alt)]
+    return [tp]
+
+
+def _choices(tp: Any) -> list[Any]:
+    """The values a ``Literal`` type (or a union holding some) allows; empty for any other type."""
+    return [c for alt in _alternatives(tp) if typing.get_origin(alt) is Literal for c in typing.get_args(alt)]
+
+
+def _class_of(tp: Any) -> type | None:
+    """The class a field's value is built from (``MuonConfig`` for ``MuonConfig | None``), if any."""
+    classes = [a for a in _alternatives(tp) if inspect.isclass(a) and a is not type(None)]
+    if len(classes) == 1 and classes[0].__module__ != "builtins":
+        return classes[0]
+    return None
+
+
+def _given_value(lines: list[str], key: str) -> Any:
+    """The value jsonargparse reports for ``key`` in the lines after its cause, or None."""
+    for line in lines:
+        text = _text(line)
+        if not text.startswith("Given value: "):
+            continue
+        given = text.removeprefix("Given value: ")
+        nested = _NESTED_ARG.match(given)
+        if nested:
+            if nested.group(1).split(".")[-1] != key:
+                return None
+            given = nested.group(2)
+        try:
+            value = ast.literal_eval(given)
+        except (ValueError, SyntaxError):
+            return given
+        return value.get(key) if isinstance(value, dict) else value
+    return None
+
+
+def _nearest(word: str, options: list[str]) -> str | None:
+    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
+    return close[0] if close else None
+
+
+def _rejection(message: str, option_names: list[str]) -> str | None:
+    """One line naming what jsonargparse rejected as the user wrote it, with its choices or the nearest option.
+
+    ``model.init_args.muon_config.falloff: 'cosin' is not one of 'constant', ...; did you mean
+    'cosine'?``; ``model.init_args.muon_config.lrr: MuonConfig has no option 'lrr'; did you mean
+    'lr'?``. None where the message has no key and cause to read (the caller falls back).
+    ``option_names``: the parser's own options, for an unknown one at the top.
+    """
+    lines = [line for line in message.splitlines() if line.strip()]
+    marks = (_KEY_LINE, _CLASS_LINE)
+    structure = [line.strip().startswith(_STRUCTURE) or any(m.match(_text(line)) for m in marks) for line in lines]
+    causes = [i for i in range(len(lines)) if not structure[i]]
+    if not causes:
+        return None
+    at = max(causes, key=lambda i: _indent(lines[i]))  # the deepest: the cause, not its context
+    chain, level = [], _indent(lines[at])
+    for line in reversed(lines[:at]):
+        if _indent(line) < level:
+            level = _indent(line)
+            chain.append(_text(line))
+    path: list[str] = []
+    owner: Any = None  # the class the next key is an argument of
+    field_type: Any = None
+    for text in reversed(chain):
+        if key := _KEY_LINE.match(text):
+            path.append(key.group(1))
+            field_type = _fields(owner).get(key.group(1)) if owner is not None else None
+            owner = _class_of(field_type)
+        elif class_path := _CLASS_LINE.match(text):
+            owner = _try_import(class_path.group(1))
+            path.append("init_args")
+    cause = _text(lines[at])
+    unknown = next((m.group(1) for pattern in _UNKNOWN_KEY if (m := pattern.search(cause))), None)
+    if unknown is not None:
+        where = ".".join([*path, unknown])
+        if owner is not None:
+            options, name = list(_fields(owner)), owner.__name__
+            said = f"{where}: {name} has no option {unknown!r}"
+        else:
+            options, name = (option_names if not path else []), None
+            said = f"{where}: no such option"
+            unknown = where
+        nearest = _nearest(unknown, options)
+        if nearest is not None:
+            return f"{said}; did you mean {nearest!r}?"
+        return f"{said}; its options: {', '.join(options)}" if options else said
+    if not path:
+        return None
+    where = ".".join(path)
+    expected = _EXPECTED.search(cause)
+    value = expected.group(3) if expected else _given_value(lines[at + 1 :], path[-1])
+    choices = _choices(field_type)
+    if choices:
+        listed = ", ".join(repr(c) for c in choices)
+        said = f"{where}: {value!r} is not one of {listed}" if value is not None else f"{where}: not one of {listed}"
+        nearest = _nearest(str(value), [str(c) for c in choices]) if value is not None else None
+        return f"{said}; did you mean {nearest!r}?" if nearest is not None else said
+    if expected:
+        wanted = expected.group(1) or expected.group(2)
+        return f"{where}: expected {wanted}, got {value!r}"
+    return f"{where}: {cause}"
+
+
 class MuonArgumentParser(LightningArgumentParser):
-    """Reports a parse error as its cause first, then the details and a hint; no usage.
+    """Reports a parse error as its cause first, then a hint; no usage.
 
     jsonargparse prints the whole usage (some 50 lines) before the error, so the one line
-    that says what is wrong ends up below the fold.
+    that says what is wrong ends up below the fold. A rejected value or option is named as
+    written (``model.init_args.muon_config.falloff``), with its choices or the nearest valid
+    option name (``_rejection``); other errors keep jsonargparse's details.
     """
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
@@ -180,9 +399,11 @@ class MuonArgumentParser(LightningArgumentParser):
             super().error(message, ex)
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")
-        summary = _error_summary(message)
+        options = [a.dest for a in parser._actions if a.dest not in ("help", "config", "print_config")]
+        rejected = _rejection(message, [name for name in options if not name.endswith(".help")])
+        summary = rejected or _error_summary(message)
         sys.stderr.write(f"error: {summary}\n")
-        if len(message.strip().splitlines()) > 2:  # more than the summary says
+        if rejected is None and len(message.strip().splitlines()) > 2:  # more than the summary says
             sys.stderr.write("details:\n" + "".join(f"  {line}\n" for line in message.strip().splitlines()))
         if summary.endswith(".model") or ".model " in summary:  # no model named, and no default
             sys.stderr.write(
@@ -304,13 +525,53 @@ class MuonCLI(LightningCLI):
 
     def before_instantiate_classes(self) -> None:
         config = self.config[self.subcommand] if self.subcommand else self.config
+        # Every --config input, of the main parser and of the subcommand's.
+        inputs = [*(self.config.get("config") or []), *((config.get("config") or []) if self.subcommand else [])]
+        inputs = [os.fspath(path.absolute) for path in inputs if path]
+        self._note_bundled_model_arguments(config, inputs)
         self._choose_data(config)
         if isinstance(self.save_config_callback, type) and issubclass(
             self.save_config_callback, MuonSaveConfigCallback
         ):
-            # Every --config input, of the main parser and of the subcommand's.
-            inputs = [*(self.config.get("config") or []), *((config.get("config") or []) if self.subcommand else [])]
-            self.save_config_kwargs["input_configs"] = [os.fspath(path.absolute) for path in inputs if path]
+            self.save_config_kwargs["input_configs"] = inputs
+
+    def _note_bundled_model_arguments(self, config: Any, inputs: list[str]) -> None:
+        """One note when a bundled config's model arguments meet another model: which were kept, which dropped.
+
+        ``--config muon --model.class_path=my_pkg.MyModel``: jsonargparse keeps the arguments
+        of the demo model that ``MyModel`` takes too (its ``muon_config``, the demo's whole
+        optimizer and schedule) and drops the others, silently.
+        """
+        model = config.get("model")
+        if not model or not isinstance(model.get("class_path"), str):
+            return
+        bundled = {os.path.realpath(path): name for name, path in bundled_configs().items()}
+        for path in inputs:
+            name = bundled.get(os.path.realpath(path))
+            if name is None:
+                continue
+            section = (yaml.safe_load(Path(path).read_text()) or {}).get("model") or {}
+            demo, demo_args = section.get("class_path"), section.get("init_args") or {}
+            if not isinstance(demo, str) or _same_class(demo, model.class_path):
+                continue
+            init_args = model.get("init_args") or Namespace()
+            arguments = _fields(_try_import(model.class_path))
+            kept = [
+                key
+                for key, value in demo_args.items()
+                if key in init_args and _derived_from(value, init_args.get(key), arguments.get(key))
+            ]
+            if not kept:
+                continue
+            dropped = [key for key in demo_args if key not in init_args]
+            keys = ", ".join(f"model.init_args.{key}" for key in kept)
+            replace = " ".join(f"--model.init_args.{key}=null" for key in kept)
+            rank_zero_info(
+                f"--config {name} was written for {demo}; {model.class_path} keeps from it the trainer settings and "
+                f"{keys}" + (f", not {', '.join(dropped)}" if dropped else "") + f". {replace} starts from your "
+                "model's defaults instead"
+                + (" (then set single fields: --model.init_args.muon_config.lr=0.01)" if "muon_config" in kept else "")
+            )
 
     def _choose_data(self, config: Any) -> None:
         """Sets ``config.data`` by the rules in the module docstring, with a note when the demo data is involved."""
@@ -356,8 +617,15 @@ class MuonCLI(LightningCLI):
             raise SystemExit(2) from None
 
 
-def main(args: list[str] | None = None, *, default_model: str | None = None, prog: str = PROG) -> MuonCLI:
+CONVERT_CHECKPOINT = "convert-checkpoint"
+
+
+def main(args: list[str] | None = None, *, default_model: str | None = None, prog: str = PROG) -> MuonCLI | None:
     """Run the CLI; ``args`` defaults to ``sys.argv[1:]``.
+
+    ``convert-checkpoint DIR OUT.ckpt`` converts a distributed checkpoint folder into one
+    file (``lightning_muon.checkpoints``) and returns None (a failure exits with code 2);
+    every other command line goes to LightningCLI (``fit``, ``validate``, ...).
 
     Args:
         args: The command line after the program name.
@@ -365,6 +633,12 @@ def main(args: list[str] | None = None, *, default_model: str | None = None, pro
             required.
         prog: The program name shown in help and errors.
     """
+    argv = sys.argv[1:] if args is None else list(args)
+    if argv[:1] == [CONVERT_CHECKPOINT]:
+        code = checkpoints.main(argv[1:], prog=f"{prog} {CONVERT_CHECKPOINT}")
+        if code:
+            raise SystemExit(code)
+        return None
     return MuonCLI(
         pl.LightningModule,
         None,  # optional: a model with its own loaders needs no datamodule

@@ -19,6 +19,7 @@ from lightning.pytorch.utilities import rank_zero_info
 from torch import Tensor, nn
 
 from lightning_muon.algorithms import algorithm_names
+from lightning_muon.callbacks.checkpoint_checks import CheckpointChecks
 from lightning_muon.callbacks.finetuning import UnfreezeOnResume
 from lightning_muon.callbacks.progress import replaces_default_bar
 from lightning_muon.callbacks.schedule_free import ScheduleFreeModeSwitch, save_in_eval_mode
@@ -92,7 +93,10 @@ class MuonModuleMixin:
     weights-only checkpoints. When ``max_steps`` is set, it puts ``MaxStepsProgressBar`` in
     place of Lightning's default ``RichProgressBar`` (which would read ``Epoch 0/-2``), and with a
     ``BaseFinetuning`` it adds ``UnfreezeOnResume`` (a backbone unfrozen before a checkpoint
-    trains again after a resume).
+    trains again after a resume). It always adds ``CheckpointChecks``: a ``muon_fsdp``
+    checkpoint folder given to a strategy that reads files raises an error naming the ways
+    out, checkpoints record the strategy that saved them, and a resume that changes the data
+    sampler (a ``muon_ddp`` checkpoint on one device) warns.
 
     Lightning's tools that set one lr for every group (the lr finder, SWA's ``swa_lrs``) see
     it read as the Muon lr, each group taking its configured share (``on_before_optimizer_step``,
@@ -208,9 +212,14 @@ class MuonModuleMixin:
         trainer = getattr(self, "_trainer", None)
         bar = replaces_default_bar(trainer)
         if bar is not None:  # max_steps: Rich's bar would read "Epoch 0/-2"
-            callbacks.append(bar)
-        if trainer is not None and any(isinstance(c, BaseFinetuning) for c in trainer.callbacks):
+            # Swapped in place, with the bar's settings: returned, it would make Lightning log that
+            # the model's callbacks override the trainer's, about a bar nobody passed.
+            trainer.callbacks[trainer.callbacks.index(trainer.progress_bar_callback)] = bar
+        present = trainer.callbacks if trainer is not None else []
+        if trainer is not None and any(isinstance(c, BaseFinetuning) for c in present):
             callbacks.append(UnfreezeOnResume())  # lightning 2.6 resumes it with the backbone frozen
+        if not any(isinstance(c, CheckpointChecks) for c in present):  # a second fit keeps the first one's
+            callbacks.append(CheckpointChecks())
         return callbacks
 
     def on_save_checkpoint(self, checkpoint: dict[str, Any]) -> None:

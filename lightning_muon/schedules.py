@@ -22,13 +22,13 @@ its weight averaging (and weights that average by the lr it is given).
 from __future__ import annotations
 
 import math
-import warnings
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
+from lightning_muon._warn import warn_user
 from lightning_muon.algorithms import get_algorithm, orthogonalizes
 
 __all__ = [
@@ -314,11 +314,10 @@ class MuonScheduler(LRScheduler):
         changed = [key for key in saved if _differs(saved[key], ours[key])]
         if changed:
             lines = "; ".join(f"{key}: checkpoint {saved[key]}, now {ours[key]}" for key in changed)
-            warnings.warn(
+            # At the user's line (their trainer.fit), not at Lightning's checkpoint connector.
+            warn_user(
                 f"MuonScheduler: resuming at step {self.last_epoch} with this run's settings, not the "
-                f"checkpoint's ({lines})",
-                UserWarning,
-                stacklevel=2,
+                f"checkpoint's ({lines})"
             )
         lrs = self.get_lr()  # this run's schedule at the checkpoint's step (warmup only for Schedule-Free groups)
         for group, base, lr, target in zip(self.optimizer.param_groups, self.base_lrs, lrs, self.base_momenta):

@@ -14,6 +14,7 @@ import torch
 import yaml
 
 from lightning_muon import MuonConfig
+from lightning_muon.cli import main
 from lightning_muon_demo.module import CharGPTModule
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -233,6 +234,32 @@ def test_cli_readme_line_trains_a_users_model_on_its_own_loaders(tmp_path):
     saved = yaml.safe_load(next(tmp_path.rglob("config.yaml")).read_text())
     assert saved["data"] is None and saved["model"]["class_path"] == "cli_user_model.UserModel"
     assert saved["model"]["init_args"]["muon_config"]["lr"] == 0.02  # muon.yaml's optimizer settings are kept
+    # ... and a note says so, with the form that starts from the model's own defaults instead.
+    assert (
+        "--config muon was written for lightning_muon_demo.CharGPTModule; "
+        "cli_user_model.UserModel keeps from it the trainer settings and model.init_args.muon_config, not "
+        "block_size, n_layer, n_head, n_embd. --model.init_args.muon_config=null starts from your model's defaults"
+    ) in output
+
+
+def test_cli_bundled_config_with_the_users_model_and_muon_config_null_takes_the_models_defaults(tmp_path):
+    proc = _cli(
+        tmp_path,
+        "fit",
+        "--config",
+        "muon",
+        "--model.class_path=cli_user_model.UserModel",
+        "--model.init_args.muon_config=null",
+        "--model.init_args.muon_config.falloff=cosine",
+        *QUICK,
+        pythonpath=TESTS,
+    )
+    output = proc.stdout + proc.stderr
+    assert proc.returncode == 0, output[-4000:]
+    saved = yaml.safe_load(next(tmp_path.rglob("config.yaml")).read_text())["model"]["init_args"]["muon_config"]
+    # MuonConfig's defaults, and the one field given: none of muon.yaml's (lr 0.02, wsd, adjust_lr ...).
+    assert MuonConfig.from_any(saved) == MuonConfig(falloff="cosine")
+    assert "was written for" not in output
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in output
 
 
@@ -274,8 +301,12 @@ def test_cli_never_writes_over_its_input_config(tmp_path):
             "--model.init_args.muon_config.momentum=1.5",
             "error: MuonConfig.momentum: Muon(): momentum must be a finite number in [0.0, 1.0), got 1.5",
         ),
-        # jsonargparse's own words: "Option 'x' is not accepted" (4.42 on), "Key 'x' is not expected" (4.41).
-        ("--model.init_args.learning_rate=0.1", re.compile(r"'learning_rate' is not (accepted|expected)")),
+        # An unknown option, named as written, with the module's options when none is close.
+        (
+            "--model.init_args.learning_rate=0.1",
+            "error: model.init_args.learning_rate: CharGPTModule has no option 'learning_rate'; its options: "
+            "vocab_size, block_size, n_layer, n_head, n_embd, dropout, tie_weights, muon_config",
+        ),
         (
             "--config=mun",
             "error: argument -c/--config: 'mun' is neither a file nor a bundled config "
@@ -291,3 +322,39 @@ def test_cli_bad_input_is_reported_first_without_tracebacks(tmp_path, bad, expec
     found = (expect.search(line) if isinstance(expect, re.Pattern) else expect in line for line in lines[:3])
     assert any(found), proc.stderr[-4000:]
     assert "Traceback" not in proc.stderr and len(lines) < 25
+
+
+@pytest.mark.parametrize(
+    ("bad", "first_line"),
+    [
+        (  # a typo in a choice: the field as written, its choices, the nearest
+            ["--model.init_args.muon_config.falloff=cosin"],
+            "error: model.init_args.muon_config.falloff: 'cosin' is not one of 'constant', 'linear', 'cosine', "
+            "'wsd', 'inverse_sqrt'; did you mean 'cosine'?",
+        ),
+        (  # an unknown option: the nearest valid name
+            ["--model.init_args.muon_config.lrr=0.1"],
+            "error: model.init_args.muon_config.lrr: MuonConfig has no option 'lrr'; did you mean 'lr'?",
+        ),
+        (  # the same from a config file
+            ["--config", "model: {init_args: {muon_config: {falloff: cosin}}}"],
+            "error: model.init_args.muon_config.falloff: 'cosin' is not one of 'constant', 'linear', 'cosine', "
+            "'wsd', 'inverse_sqrt'; did you mean 'cosine'?",
+        ),
+        (
+            ["--model.init_args.muon_config.lr=fast"],
+            "error: model.init_args.muon_config.lr: expected float, got 'fast'",
+        ),
+        (["--trainer.max_stepz=3"], "error: trainer.max_stepz: no such option; did you mean 'trainer.max_steps'?"),
+    ],
+    ids=["choice_typo", "unknown_option", "choice_typo_in_a_config", "not_a_number", "unknown_trainer_option"],
+)
+def test_cli_rejected_values_name_the_field_and_its_choices_in_two_lines(capsys, monkeypatch, bad, first_line):
+    # In this process (parsing fails before anything is built); the subprocess's stderr is the
+    # same text (test_cli_bad_input_is_reported_first_without_tracebacks).
+    monkeypatch.setattr(sys, "argv", ["lightning_muon"])  # not pytest's own arguments
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", "--config", "muon", "--model.class_path=cli_user_model.UserModel", *bad])
+    lines = capsys.readouterr().err.splitlines()
+    assert exited.value.code == 2
+    assert lines == [first_line, "tip: python -m lightning_muon fit --help lists every option"], lines

@@ -1,8 +1,9 @@
 """MuonFSDPStrategy and MuonFSDPSharding: exact Muon under FSDP2 on CPU with gloo.
 
 Multi-process runs (about 10-30 s each on 2 busy cores): the sharding at 2 and 3 ranks,
-a 2-rank fit that saves distributed checkpoints, its resumption at 1 and at 3 ranks, a
-bf16-mixed 2-rank fit of a module that shards itself, and configs/muon_fsdp.yaml.
+a 2-rank fit that saves distributed checkpoints, its resumption at 1 and at 3 ranks and on
+one device under ``strategy="auto"`` (converted to one file), a bf16-mixed 2-rank fit of a
+module that shards itself, and configs/muon_fsdp.yaml.
 """
 
 from __future__ import annotations
@@ -19,6 +20,7 @@ from fsdp_modules import (
     CONFIG,
     SHAPES,
     STEPS,
+    WIDTH,
     FSDPRegressor,
     fit_worker,
     gpt2_fit,
@@ -32,6 +34,8 @@ from lightning.pytorch.strategies import StrategyRegistry
 from torch import nn
 
 from lightning_muon import Muon, MuonFSDPStrategy
+from lightning_muon.checkpoints import DistributedCheckpointError
+from lightning_muon.cli import main as cli_main
 from lightning_muon.distributed.fsdp import MuonFSDPSharding, shard_rows
 from lightning_muon.strategies.fsdp import default_fully_shard
 
@@ -250,6 +254,44 @@ def test_resume_at_another_world_size_continues_exactly(two_rank_fit, world):
     # Same samples every step (FSDPRegressor), so only optimizer and scheduler state carry over.
     _assert_params_close(resumed[0]["params"], ranks[0]["params"], **FP32)
     _assert_params_close(resumed[0]["params"], reference, **FP32)
+
+
+def _fit_one_device(root: Path, ckpt_path: Path) -> tuple[pl.Trainer, FSDPRegressor]:
+    """The resumed fit on one device under ``strategy="auto"``: 2 micro-batches per step, as at world 1."""
+    model = FSDPRegressor(CONFIG, accumulate=2)
+    trainer = pl.Trainer(devices=1, enable_checkpointing=False, **trainer_kwargs(root, STEPS_FIT, 2, 0.3, "32-true"))
+    trainer.fit(model, ckpt_path=ckpt_path)
+    return trainer, model
+
+
+@pytest.mark.slow
+def test_the_folder_under_auto_names_muon_fsdp_and_converted_resumes_exactly(two_rank_fit, tmp_path, capsys):
+    # The 2-rank checkpoint on one device, both ways: strategy="muon_fsdp" with devices=1 reads
+    # the folder (test_resume_at_another_world_size_continues_exactly[1]); strategy="auto" refuses
+    # it, naming the ways out, and resumes the file convert-checkpoint makes of it.
+    root, ranks, reference = two_rank_fit
+    saved = root / "ckpt" / f"epoch={SAVED_AT - 1}-step={SAVED_AT}.ckpt"
+    with pytest.raises(DistributedCheckpointError, match=r'strategy="muon_fsdp".*lightning_muon convert-checkpoint'):
+        _fit_one_device(tmp_path / "refused", saved)
+    converted = tmp_path / "step2.ckpt"
+    assert cli_main(["convert-checkpoint", str(saved), str(converted)]) is None
+    assert capsys.readouterr().out.startswith(f"{converted}: global_step {SAVED_AT}, 19 tensors, 1 optimizer(s)")
+    # A plain torch.load reads a Lightning checkpoint as a single-device run saves it.
+    checkpoint = torch.load(converted, weights_only=True)
+    expected = {"state_dict", "optimizer_states", "lr_schedulers", "loops", "callbacks", "epoch", "hyper_parameters"}
+    assert expected <= checkpoint.keys() and checkpoint["global_step"] == SAVED_AT
+    assert all(type(t) is torch.Tensor for t in checkpoint["state_dict"].values())  # whole tensors, no DTensors
+    (optimizer,) = checkpoint["optimizer_states"]
+    # Keyed by position over the groups, as Muon.state_dict() keys it on one device.
+    positions = [i for group in optimizer["param_groups"] for i in group["params"]]
+    assert positions == list(range(19)) and set(optimizer["state"]) == set(positions)
+    names = [name for group in optimizer["param_groups"] for name in group["param_names"]]
+    assert optimizer["state"][names.index("net.blocks.0.up.weight")]["momentum_buffer"].shape == (5, WIDTH)
+    trainer, model = _fit_one_device(tmp_path / "resumed", converted)
+    assert trainer.global_step == STEPS_FIT
+    resumed = {k: v.detach().clone() for k, v in model.state_dict().items()}
+    _assert_params_close(resumed, ranks[0]["params"], **FP32)
+    _assert_params_close(resumed, reference, **FP32)
 
 
 @pytest.mark.slow

@@ -303,6 +303,22 @@ def test_the_progress_bar_counts_the_epochs_max_steps_allows(tmp_path, limits, e
     assert isinstance(used, MaxStepsProgressBar) and used.theme is theme and used._leave
 
 
+def test_the_default_bar_is_replaced_without_lightnings_override_notice(tmp_path, monkeypatch):
+    # No bar passed: Lightning adds its default RichProgressBar. The mixin's MaxStepsProgressBar
+    # takes its place without Lightning logging that the model's callbacks "will override existing
+    # callbacks passed to Trainer: RichProgressBar" (the user passed none).
+    from lightning.pytorch.trainer.connectors import callback_connector
+
+    notices: list[str] = []
+    monkeypatch.setattr(callback_connector, "rank_zero_info", lambda message, *a, **k: notices.append(message))
+    trainer = _trainer(tmp_path, enable_progress_bar=True, max_steps=2)
+    assert type(trainer.progress_bar_callback) is RichProgressBar
+    trainer.fit(Net(MuonConfig(**CONFIG)), _loader())
+    assert isinstance(trainer.progress_bar_callback, MaxStepsProgressBar)
+    assert [c for c in trainer.callbacks if isinstance(c, RichProgressBar)] == [trainer.progress_bar_callback]
+    assert not [m for m in notices if "will override" in m], notices
+
+
 def test_bf16_true_fits(tmp_path):
     model = Net(MuonConfig(**CONFIG))
     start = _params(model)

@@ -9,6 +9,7 @@ from lightning.pytorch.strategies import DDPStrategy
 from torch import Tensor
 from torch.optim import Optimizer
 
+from lightning_muon.checkpoints import distributed_checkpoint_error, is_distributed_checkpoint
 from lightning_muon.distributed.sharded import MuonSharding
 from lightning_muon.strategies._checkpoint import explained_reads
 from lightning_muon.strategies._exit import destroy_process_group_at_exit
@@ -123,7 +124,13 @@ class MuonDDPStrategy(DDPStrategy):
         return self.muon.full_state(optimizer, super().optimizer_state(optimizer))
 
     def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Lightning's loading; a damaged or truncated file raises ``CheckpointReadError`` naming it."""
+        """Lightning's loading; a damaged or truncated file raises ``CheckpointReadError`` naming it.
+
+        A distributed checkpoint folder (``muon_fsdp``'s) raises ``DistributedCheckpointError``
+        naming ``strategy="muon_fsdp"`` and the converter.
+        """
+        if is_distributed_checkpoint(checkpoint_path):
+            raise distributed_checkpoint_error(checkpoint_path, type(self).__name__)
         with explained_reads(checkpoint_path):
             return super().load_checkpoint(checkpoint_path, *args, **kwargs)
 

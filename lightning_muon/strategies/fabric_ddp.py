@@ -31,6 +31,7 @@ from torch.nn.parallel import DistributedDataParallel
 from torch.optim import Optimizer
 from typing_extensions import override
 
+from lightning_muon.checkpoints import distributed_checkpoint_error, is_distributed_checkpoint
 from lightning_muon.distributed.sharded import MuonSharding
 from lightning_muon.strategies._checkpoint import explained_reads
 from lightning_muon.strategies._exit import destroy_process_group_at_exit
@@ -209,7 +210,12 @@ class MuonDDPStrategy(DDPStrategy):
 
     @override
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any) -> dict[str, Any]:
-        """Fabric's loading; then each rank drops the state of matrices others own. A damaged file names itself."""
+        """Fabric's loading; then each rank drops the state of matrices others own. A damaged file names itself.
+
+        A distributed checkpoint folder (``muon_fsdp``'s) raises ``DistributedCheckpointError``.
+        """
+        if is_distributed_checkpoint(path):
+            raise distributed_checkpoint_error(path, type(self).__name__)
         with explained_reads(path):
             remainder = super().load_checkpoint(path, state, strict=strict, **kwargs)
         self.muon.drop_foreign_state()
