@@ -15,11 +15,14 @@ gradient clipping; see ``lightning_muon_demo.experiment``):
    constant schedule (the same 5% warmup, no cooldown) at Muon's chosen lr and the same
    seeds, against Muon + AdamW with wsd: a run that could stop at any step against one
    that knows its length.
+6. Muon + AdamW with every moment stored in bf16 (``exp_avg_dtype`` and
+   ``exp_avg_sq_dtype`` = "bfloat16", computed in float32) at Muon's chosen lr and the same
+   seeds, against the float32 state: is the difference within the float32 runs' seed spread?
 
 Usage::
 
-    python benchmarks/bench_quality.py                 # about 10-15 min on a 2-core CPU
-    python benchmarks/bench_quality.py --quick         # 4 tiny runs (smoke test)
+    python benchmarks/bench_quality.py                 # 19 runs, about 12-18 min on a 2-core CPU
+    python benchmarks/bench_quality.py --quick         # 5 tiny runs (smoke test)
     python benchmarks/bench_quality.py --steps 600 --out /tmp/quality.json
     python benchmarks/bench_quality.py --device cuda   # on a GPU
 
@@ -48,12 +51,14 @@ VARIANTS: dict[str, dict[str, str]] = {
     "adamw": {},
     "muon_keller": {"ns_coefficients": "keller"},
     "muon_schedulefree": {"scalar_optimizer": "adamw_schedulefree", "schedule": "constant"},
+    "muon_bf16_state": {"state_dtype": "bfloat16"},
 }
 LABELS = {
     "adamw": "AdamW",
     "muon": "Muon, polar_express",
     "muon_keller": "Muon, keller",
     "muon_schedulefree": "Muon + SF-AdamW, constant",
+    "muon_bf16_state": "Muon, bf16 state",
 }
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_quality.json"
@@ -145,6 +150,11 @@ def print_table(result: dict[str, Any], machine: str, budget: str) -> None:
     print(
         f"Muon + Schedule-Free AdamW (constant) - Muon + AdamW (wsd) final val loss: {gap:+.4f} "
         "(negative: Schedule-Free better)"
+    )
+    gap, spread = final["muon_bf16_state"] - final["muon"], max(seeds["muon"]) - min(seeds["muon"])
+    verdict = "within" if abs(gap) <= spread else "OUTSIDE"
+    print(
+        f"Muon bf16 state - float32 state final val loss: {gap:+.4f} ({verdict} the float32 seed spread {spread:.4f})"
     )
 
 

@@ -45,6 +45,7 @@ __all__ = [
 OPTIMIZERS = ("muon", "adamw")
 SCALAR_OPTIMIZERS = ("adamw", "adamw_schedulefree")
 SCHEDULES = ("wsd", "constant")
+STATE_DTYPES = ("float32", "bfloat16")
 # The best lr of each in benchmarks/bench_quality.py's sweep at the default model size
 # (seed 0, 300 steps): Muon (match_rms_adamw scaling) over 0.0025, 0.005, 0.01 (0.02 and 0.04
 # did worse in a first sweep), AdamW over 1e-3, 3e-3, 1e-2.
@@ -69,6 +70,8 @@ class RunSpec:
     """The Muon run's embeddings, head and vectors: ``"adamw"`` or ``"adamw_schedulefree"`` (lr ``adamw_lr``)."""
     schedule: str = "wsd"
     """``"wsd"`` (5% warmup, stable, linear cooldown over the last 30%) or ``"constant"`` (5% warmup, then flat)."""
+    state_dtype: str = "float32"
+    """The optimizer's moments (``exp_avg_dtype`` and ``exp_avg_sq_dtype``): ``"float32"`` or ``"bfloat16"``."""
     seed: int = 0
     """Model initialisation and training-window order."""
     eval_every: int = 25
@@ -100,6 +103,10 @@ class RunSpec:
             )
         if self.schedule not in SCHEDULES:
             raise ValueError(f"schedule must be one of {SCHEDULES}, got {self.schedule!r}")
+        if self.state_dtype not in STATE_DTYPES:
+            raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {self.state_dtype!r}")
+        if self.state_dtype != "float32" and self.scalar_optimizer == "adamw_schedulefree":
+            raise ValueError("state_dtype='bfloat16' needs scalar_optimizer='adamw' (Schedule-Free keeps its state)")
 
     @property
     def label(self) -> str:
@@ -109,17 +116,21 @@ class RunSpec:
             extra += f", {self.scalar_optimizer}"
         if self.schedule != "wsd":
             extra += f", {self.schedule}"
+        if self.state_dtype != "float32":
+            extra += f", {self.state_dtype} state"
         return f"{self.optimizer} (lr {lr:g}{extra})"
 
 
 def muon_config_for(spec: RunSpec) -> MuonConfig:
     """The optimizer and schedule of ``spec``: warmup 5%, stable, linear cooldown over the last 30% (``wsd``).
 
-    ``schedule="constant"`` keeps the warmup and drops the cooldown.
+    ``schedule="constant"`` keeps the warmup and drops the cooldown; ``state_dtype`` is the
+    dtype the moments are stored in (``exp_avg_dtype``, ``exp_avg_sq_dtype``).
     """
     schedule = dict(falloff="wsd", warmup=0.05, cooldown=0.3, total_steps=spec.steps)
     if spec.schedule == "constant":
         schedule = dict(falloff="constant", warmup=0.05, total_steps=spec.steps)
+    state = dict(exp_avg_dtype=spec.state_dtype, exp_avg_sq_dtype=spec.state_dtype)
     if spec.optimizer == "muon":
         return MuonConfig(
             lr=DEFAULT_LR["muon"] if spec.lr is None else spec.lr,
@@ -132,6 +143,7 @@ def muon_config_for(spec: RunSpec) -> MuonConfig:
             adamw_lr=spec.adamw_lr,
             adamw_weight_decay=0.01,
             momentum_warmup_steps=min(100, spec.steps // 4),
+            **state,
             **schedule,
         )
     return MuonConfig(
@@ -142,6 +154,7 @@ def muon_config_for(spec: RunSpec) -> MuonConfig:
         ],
         adamw_lr=DEFAULT_LR["adamw"] if spec.lr is None else spec.lr,
         adamw_weight_decay=0.01,
+        **state,
         **schedule,
     )
 

@@ -24,6 +24,8 @@ def test_steps_to_reach_is_the_first_step_at_or_below_the_target():
         (dict(scalar_optimizer="lion"), "scalar_optimizer must be one of"),
         (dict(optimizer="adamw", scalar_optimizer="adamw_schedulefree"), "needs optimizer='muon'"),
         (dict(schedule="cosine"), "schedule must be one of"),
+        (dict(state_dtype="float16"), "state_dtype must be one of"),
+        (dict(state_dtype="bfloat16", scalar_optimizer="adamw_schedulefree"), "needs scalar_optimizer='adamw'"),
     ],
 )
 def test_bad_specs_name_the_field(kwargs, message):
@@ -44,6 +46,8 @@ def test_the_adamw_baseline_sends_every_parameter_to_adamw_and_muon_only_hidden_
         "blocks.0.mlp.fc2.weight",
     }
     assert muon_config_for(RunSpec(optimizer="adamw", lr=1e-3)).adamw_lr == 1e-3
+    narrow = muon_config_for(RunSpec(optimizer="muon", state_dtype="bfloat16")).optimizer
+    assert (narrow.exp_avg_dtype, narrow.exp_avg_sq_dtype) == ("bfloat16", "bfloat16")
 
 
 def test_train_records_validation_at_every_interval_and_the_end():

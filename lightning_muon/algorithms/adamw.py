@@ -6,7 +6,8 @@ As ``torch.optim.AdamW`` (its foreach path, op for op), per parameter with gradi
     m <- b1 m + (1 - b1) g;   v <- b2 v + (1 - b2) g^2
     W <- W - lr / (1 - b1^t) * m / (sqrt(v) / sqrt(1 - b2^t) + eps)
 
-State per parameter: ``step`` (a 0-D tensor), ``exp_avg``, ``exp_avg_sq``.
+State per parameter: ``step`` (a 0-D tensor), ``exp_avg``, ``exp_avg_sq`` (stored in
+``exp_avg_dtype`` and ``exp_avg_sq_dtype``, computed in the parameter's dtype: ``state_dtypes``).
 
 References:
     Loshchilov & Hutter, "Decoupled Weight Decay Regularization", arXiv 1711.05101.
@@ -23,6 +24,7 @@ from torch import Tensor
 
 from lightning_muon.algorithms.base import Algorithm, register_algorithm
 from lightning_muon.algorithms.checks import check_betas, check_number, normalize
+from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS, state_dtype
 from lightning_muon.functional import adamw_
 
 __all__ = ["ADAMW", "AdamW", "AdamWHparams", "Betas", "check_adamw"]
@@ -68,6 +70,7 @@ class AdamW(Algorithm):
 
     name = "adamw"
     hparams = AdamWHparams
+    state_dtype_settings = frozenset(STATE_SETTINGS)
 
     def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
         return check_adamw(values, where, prefix)
@@ -81,8 +84,12 @@ class AdamW(Algorithm):
             entry = state[p]
             if "exp_avg" not in entry:
                 entry["step"] = torch.tensor(0.0)
-                entry["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
-                entry["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                entry["exp_avg"] = torch.zeros_like(
+                    p, dtype=state_dtype(optimizer, "exp_avg_dtype", p), memory_format=torch.preserve_format
+                )
+                entry["exp_avg_sq"] = torch.zeros_like(
+                    p, dtype=state_dtype(optimizer, "exp_avg_sq_dtype", p), memory_format=torch.preserve_format
+                )
         entries = [state[p] for p in params]
         beta1, beta2 = group["betas"]
         momentum_readout(group)  # betas may have been changed since (a scheduler, a user)

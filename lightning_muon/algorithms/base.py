@@ -87,6 +87,12 @@ class Algorithm:
         follows_falloff: False when the lr schedule applies only its warmup to these groups
             (Schedule-Free AdamW averages its iterates instead of decaying the lr).
         layout_options: group keys besides the hyperparameters (Muon: ``split_sizes``, ...).
+        state_dtype_settings: the optimizer-wide state settings (``exp_avg_dtype``,
+            ``exp_avg_sq_dtype``, ``main_params_dtype``; ``state_dtypes``) this algorithm
+            honours, or has no state for. ``Muon`` refuses a group of an algorithm when a
+            setting it does not list is away from its default, so none is silently ignored;
+            an algorithm that lists one reads it from ``optimizer.config``
+            (``state_dtypes.state_dtype``).
     """
 
     name: ClassVar[str] = ""
@@ -94,6 +100,7 @@ class Algorithm:
     orthogonalizes: ClassVar[bool] = False
     follows_falloff: ClassVar[bool] = True
     layout_options: ClassVar[frozenset[str]] = frozenset()
+    state_dtype_settings: ClassVar[frozenset[str]] = frozenset()
 
     # ------------------------------------------------------------------ hyperparameters
 

@@ -5,7 +5,7 @@ Per parameter with gradient ``g`` and momentum ``m``::
     W <- W (1 - lr wd) - lr sign(b1 m + (1 - b1) g)
     m <- b2 m + (1 - b2) g
 
-State per parameter: ``exp_avg``. Lion's lr and weight decay default to AdamW's (Lion
+State per parameter: ``exp_avg`` (stored in ``exp_avg_dtype``). Lion's lr and weight decay default to AdamW's (Lion
 usually wants 3-10x less lr).
 
 References:
@@ -24,6 +24,7 @@ from torch import Tensor
 from lightning_muon.algorithms.adamw import Betas, momentum_readout
 from lightning_muon.algorithms.base import Algorithm, HparamsSource, register_algorithm
 from lightning_muon.algorithms.checks import check_betas, check_number, normalize, with_placeholders
+from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS, state_dtype
 from lightning_muon.functional import lion_
 
 __all__ = ["LION", "Lion", "LionHparams", "check_lion", "with_adamw_fallbacks"]
@@ -66,6 +67,7 @@ class Lion(Algorithm):
 
     name = "lion"
     hparams = LionHparams
+    state_dtype_settings = frozenset(STATE_SETTINGS)  # no second moment: exp_avg_sq_dtype has nothing to store
 
     def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
         return check_lion(values, where, prefix)
@@ -80,7 +82,8 @@ class Lion(Algorithm):
         state = optimizer.state
         for p in params:
             if "exp_avg" not in state[p]:
-                state[p]["exp_avg"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                dtype = state_dtype(optimizer, "exp_avg_dtype", p)
+                state[p]["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         beta1, beta2 = group["betas"]
         momentum_readout(group)
         lion_(

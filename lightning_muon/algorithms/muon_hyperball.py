@@ -48,6 +48,7 @@ from torch.distributed.tensor import DTensor
 from lightning_muon.algorithms.base import HparamsSource, register_algorithm
 from lightning_muon.algorithms.checks import HparamError, check_number, normalize
 from lightning_muon.algorithms.muon import MUON, MuonAlgorithm
+from lightning_muon.algorithms.state_dtypes import MAIN_PARAM
 from lightning_muon.layout import MatrixLayout, layout_of
 
 __all__ = ["HyperballHparams", "MuonHyperball", "check_hyperball"]
@@ -114,7 +115,7 @@ class MuonHyperball(MuonAlgorithm):
             # (a resumed one has, and is on it already; rescaling it again would only round it).
             layout, local = layout_of(group), _local_view(optimizer)
             for p in params:
-                if optimizer.state[p]:
+                if set(optimizer.state[p]) - {MAIN_PARAM}:  # a master copy alone is made before the first step
                     continue
                 if layout.batched:  # every matrix of the stack to its own sphere (whole experts are local)
                     for slot in _updated_slots(local(p), layout):

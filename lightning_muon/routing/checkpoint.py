@@ -16,7 +16,7 @@ from torch import Tensor
 __all__ = ["check_checkpoint_routing"]
 
 # State entries shaped like their parameter (second moments may be reduced: not checked).
-_PARAM_SHAPED = ("momentum_buffer", "exp_avg", "exp_avg_sq")
+_PARAM_SHAPED = ("momentum_buffer", "exp_avg", "exp_avg_sq", "main_param")
 _warned_unnamed = False
 
 
