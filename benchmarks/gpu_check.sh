@@ -266,8 +266,8 @@ if [ "$SMOKE" = 1 ]; then
     step scale_model 60 "$PY" benchmarks/scale_model.py --device cpu --profile this-cpu --preset gpt2-small \
         --worlds 8 --tp-degrees 2 --out "$OUT/scale_model.json"
     if [ -f benchmarks/bench_memory.py ]; then
-        # TODO(issue 36): shrink it (a --quick?) and point its JSON at $OUT once the script exists.
-        step bench_memory 60 "$PY" benchmarks/bench_memory.py --device cpu
+        step bench_memory 60 "$PY" benchmarks/bench_memory.py --device cpu --quick --sections single \
+            --out "$OUT/bench_memory.json"
     else
         skip bench_memory "no benchmarks/bench_memory.py"
     fi
@@ -294,9 +294,10 @@ else
     step scale_model 120 "$PY" benchmarks/scale_model.py --device cuda --preset gpt2-small 1.3b \
         --out "$OUT/scale_model.json"
     if [ -f benchmarks/bench_memory.py ]; then
-        # TODO(issue 36): point its JSON at $OUT (an --out?) once the script exists; its default
-        # output under benchmarks/results/ is copied to $OUT/results/ at the end.
-        step bench_memory 120 "$PY" benchmarks/bench_memory.py --device cuda
+        # torch.cuda.max_memory_allocated per step, ours against torch.optim.Muon and AdamW (one GPU: the
+        # multi-rank sections need a GPU per rank).
+        step bench_memory 120 "$PY" benchmarks/bench_memory.py --device cuda --sections single callbacks \
+            --out "$OUT/bench_memory.json"
     else
         skip bench_memory "no benchmarks/bench_memory.py"
     fi

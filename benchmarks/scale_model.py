@@ -31,7 +31,9 @@ receives on each link class.
 
 The model's matrices and each design's bytes and FLOPs per rank are in ``scale_counts.py``,
 their time per step in ``scale_designs.py``, the hardware profiles in ``scale_profiles.py``;
-this script runs them and writes the tables, the JSON and the PNG.
+this script runs them and writes the tables, the JSON and the PNG. A last table
+(``scale_memory.py``, ``--memory-models``): per-rank memory of ``muon_fsdp``'s step (params,
+grads, optimizer state, the step's transient) against FSDP2 + AdamW, for 8B and 70B models.
 
 Usage::
 
@@ -42,6 +44,7 @@ Usage::
     python benchmarks/scale_model.py --profile this-cpu               # measures this host first
     python benchmarks/scale_model.py --device cuda                    # measures this GPU first (--profile this-gpu)
     python benchmarks/scale_model.py --worlds 64 1024 --sweep-group-sizes 1 2 4 8 16 32
+    python benchmarks/scale_model.py --preset gpt2-small --memory-models 70b   # memory table: the 70B only
 """
 
 from __future__ import annotations
@@ -60,6 +63,8 @@ from lightning_muon.distributed.tp_math import TP_MODES
 sys.path.insert(0, str(Path(__file__).resolve().parent))  # its modules are sibling files
 from scale_counts import PRESETS, ModelShapes, shapes_from_module
 from scale_designs import TP_DEGREES, predict, predict_tp
+from scale_memory import MODELS as MEMORY_MODELS
+from scale_memory import memory_table, print_memory_table
 from scale_profiles import Profile, h100_profile, measure_profile
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "scale_model.json"
@@ -299,6 +304,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument(
         "--tp-degrees", type=int, nargs="*", default=list(TP_DEGREES), help="tensor-parallel rows (default 2 4 8)"
     )
+    parser.add_argument(
+        "--memory-models",
+        nargs="*",
+        choices=sorted(MEMORY_MODELS),
+        default=list(MEMORY_MODELS),
+        help="models of the per-rank memory table, muon_fsdp vs FSDP2 + AdamW (default 8b 70b; none: no table)",
+    )
     parser.add_argument("--set", action="append", default=[], metavar="NAME=VALUE", help="change a profile constant")
     parser.add_argument(
         "--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT}); PNG beside it"
@@ -362,9 +374,14 @@ def main(argv: list[str] | None = None) -> int:
     sweep = None
     if args.sweep_group_sizes:
         sweep = group_sweep(presets, profile, tuple(args.worlds), args.sweep_group_sizes)
+    memory = None
+    if args.memory_models:
+        memory = memory_table({k: MEMORY_MODELS[k]() for k in args.memory_models}, tuple(args.worlds))
+        print_memory_table(memory)
     args.out.parent.mkdir(parents=True, exist_ok=True)
     report = {
         "group_sweep": sweep,
+        "memory": memory,
         "profile": {"name": profile.name, "values": profile.values, "sources": profile.sources},
         "group_size": args.group_size,
         "results": _jsonable(results),

@@ -142,6 +142,17 @@ class MuonConfig:
     """Group defaults of other registered algorithms, by name: ``{"muon_hyperball": {"hyperball_radius": 1.0}}``."""
     nonfinite: NonFinite = "raise"
     """On a NaN/inf gradient: "raise", "skip" the step, or "ignore" (no check, no host-device sync)."""
+    exp_avg_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Megatron's name: the dtype first moments (Muon's momentum, AdamW's and Lion's exp_avg) are stored
+    in, where narrower than the parameter's; computed in float32 and rounded once when stored."""
+    exp_avg_sq_dtype: Literal["float32", "bfloat16"] = "float32"
+    """Megatron's name: the same for second moments (AdamW's exp_avg_sq, NorMuon's and AdaMuon's)."""
+    main_params_dtype: Literal["float32"] | None = None
+    """Megatron's name: None, or "float32": bf16/fp16 parameters step on an fp32 master copy kept in the
+    optimizer state (one process, not under a sharding); no effect on fp32 parameters."""
+    step_memory_mb: float | Literal["auto"] | None = "auto"
+    """The most MiB of temporaries one Muon group's step holds at once: "auto" (32 on a CPU, 1024 on a
+    GPU), a number, or null (no cap); larger groups step in rounds, with the same results."""
     # --- routing -------------------------------------------------------------------------
     rules: list[Rule] = field(default_factory=list)
     """User routing rules, tried in order before the default rules."""

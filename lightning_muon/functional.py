@@ -9,7 +9,7 @@ reuse the same pieces on whatever matrices their rank owns.
 from __future__ import annotations
 
 import math
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 
 import torch
 from torch import Tensor
@@ -97,7 +97,19 @@ def muon_momentum_(
     dtype (the one Newton-Schulz runs in): the kernel computes in the inputs' dtype and rounds
     once on the way out, the same values as a cast afterwards, without the second full-size
     pass. Such updates are the caller's temporaries (``orthogonalize_many(donate=True)``).
+
+    A buffer stored narrower than its gradient (``exp_avg_dtype="bfloat16"``) is read into
+    the gradient's dtype, updated and used there (the update is made from the unrounded
+    buffer), and rounded once on its way back (``_widen``, ``_store``).
     """
+    if _narrow(bufs, grads):
+        updates: list[Tensor] = []
+        for part in _chunks(grads):
+            work = _widen(bufs[part], grads[part])
+            dtypes = None if out_dtypes is None else out_dtypes[part]
+            updates += muon_momentum_(grads[part], work, momentum, nesterov, form, out_dtypes=dtypes)
+            _store(bufs[part], work)
+        return updates
     if form == "sum":
         torch._foreach_mul_(bufs, momentum)
         torch._foreach_add_(bufs, grads)
@@ -135,6 +147,41 @@ def _foreach_pays(t: Tensor) -> bool:
     return t.device.type != "cpu" and not isinstance(t, DTensor)
 
 
+# Elements per round of a narrow state's wider copies (64 MiB per buffer in float32): the
+# copies of a whole model's state at once would cost more than the narrow storage saves.
+_WIDEN_ELEMENTS = 1 << 24
+
+
+def _narrow(bufs: Sequence[Tensor], like: Sequence[Tensor]) -> bool:
+    """Whether a buffer is stored in another dtype than its partner in ``like`` (a narrower state dtype)."""
+    return any(b.dtype != t.dtype for b, t in zip(bufs, like))
+
+
+def _chunks(tensors: Sequence[Tensor]) -> list[slice]:
+    """Consecutive slices of ``tensors`` of at most ``_WIDEN_ELEMENTS`` elements each (one tensor at least)."""
+    out, start, total = [], 0, 0
+    for i, t in enumerate(tensors):
+        if i > start and total + t.numel() > _WIDEN_ELEMENTS:
+            out.append(slice(start, i))
+            start, total = i, 0
+        total += t.numel()
+    if start < len(tensors):
+        out.append(slice(start, len(tensors)))
+    return out
+
+
+def _widen(bufs: Sequence[Tensor], like: Sequence[Tensor]) -> list[Tensor]:
+    """Each buffer in its partner's dtype: a copy where it is stored in another one, else itself."""
+    return [b if b.dtype == t.dtype else b.to(t.dtype) for b, t in zip(bufs, like)]
+
+
+def _store(bufs: Sequence[Tensor], work: Sequence[Tensor]) -> None:
+    """Write the wider copies back into their buffers, rounding once (round to nearest even)."""
+    for b, w in zip(bufs, work):
+        if w is not b:
+            b.copy_(w)
+
+
 def muon_orthogonalize(
     updates: list[Tensor],
     *,
@@ -145,10 +192,14 @@ def muon_orthogonalize(
     ns_method: str = "standard",
     keep_work_dtype: bool = False,
     donate: bool = False,
+    max_stack_bytes: int | None = None,
+    multi_shapes: Collection[tuple[int, int]] = (),
 ) -> list[list[Tensor]]:
     """Orthogonalize every matrix of every update (cut by ``layout``); returns, per update, its pieces.
 
     ``keep_work_dtype``: leave the pieces in Newton-Schulz's dtype (see ``orthogonalize_many``).
+    ``max_stack_bytes``, ``multi_shapes``: how stacks are cut, and the shapes the step's other
+    calls hold more of (``orthogonalize_many``).
     ``donate``: the updates are temporaries Newton-Schulz may overwrite (see ``muon_momentum_``);
     the list ``updates`` is emptied, so that each is freed as soon as it is orthogonalized.
     """
@@ -162,12 +213,14 @@ def muon_orthogonalize(
         # the hidden matrices at the step's peak).
         updates.clear()
         del pieces
-    ortho = iter(orthogonalize_many(flat, ns_steps, ns_coefficients, ns_dtype, ns_method, keep_work_dtype, donate))
+    ns_args = (ns_steps, ns_coefficients, ns_dtype, ns_method)
+    ortho = iter(orthogonalize_many(flat, *ns_args, keep_work_dtype, donate, max_stack_bytes, multi_shapes))
     return [[next(ortho) for _ in range(n)] for n in counts]
 
 
-def second_moment_buffer(p: Tensor, method: str, layout: MatrixLayout) -> Tensor:
-    """A zero second-moment buffer for parameter ``p``, made from ``p`` (a DTensor gives a DTensor).
+def second_moment_buffer(p: Tensor, method: str, layout: MatrixLayout, dtype: torch.dtype | None = None) -> Tensor:
+    """A zero second-moment buffer for parameter ``p``, made from ``p`` (a DTensor gives a DTensor), in ``p``'s
+    dtype or ``dtype``.
 
     ``"adamuon"``: shaped like ``p``. ``"normuon"``: one entry per output of every matrix,
     shaped like ``p`` with each matrix's input axis reduced to 1: ``(rows, 1)`` for a
@@ -178,12 +231,12 @@ def second_moment_buffer(p: Tensor, method: str, layout: MatrixLayout) -> Tensor
     the rows of the buffer it needs.
     """
     if method == "adamuon":
-        return torch.zeros_like(p, memory_format=torch.contiguous_format)
+        return torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
     if layout.batched:
         first = p[..., :1, :] if layout.transposed else p[..., :1]
     else:
         first = p[:1] if layout.transposed else p.reshape(p.shape[0], -1)[:, :1]
-    return torch.zeros_like(first, memory_format=torch.contiguous_format)
+    return torch.zeros_like(first, dtype=dtype, memory_format=torch.contiguous_format)
 
 
 def muon_second_moment_(
@@ -228,9 +281,16 @@ def muon_second_moment_(
             x = o.to(work)  # (B?, rows, cols)
             v = slot.reshape(x.shape if method == "adamuon" else layout.stat_shape(x.shape))
             sq = x.square()
-            v.lerp_((sq.mean(dim=layout.in_axis, keepdim=True) if method == "normuon" else sq).to(v.dtype), 1.0 - beta2)
-            if v.data_ptr() != slot.data_ptr():
-                slot.copy_(v.view(slot.shape))  # a grouped split's slot is strided: write the copy back
+            stat = sq.mean(dim=layout.in_axis, keepdim=True) if method == "normuon" else sq
+            if v.dtype.itemsize < work.itemsize:
+                # Stored narrower (exp_avg_sq_dtype="bfloat16", a bf16 parameter): updated and
+                # used in the work dtype, rounded once into the buffer.
+                v = v.to(work).lerp_(stat, 1.0 - beta2)
+                slot.copy_(v.view(slot.shape))
+            else:
+                v.lerp_(stat.to(v.dtype), 1.0 - beta2)
+                if v.data_ptr() != slot.data_ptr():
+                    slot.copy_(v.view(slot.shape))  # a grouped split's slot is strided: write the copy back
             x_hat = x / v.to(work).sqrt().add_(eps)
             dims = (-2, -1)  # one norm per matrix: each of a batch, each piece of a split
             ratio = torch.linalg.vector_norm(x, dim=dims, keepdim=True) / torch.linalg.vector_norm(
@@ -306,7 +366,21 @@ def adamw_(
     eps: float,
     weight_decay: float,
 ) -> None:
-    """AdamW (Loshchilov & Hutter, arXiv 1711.05101), op for op as torch.optim.AdamW's foreach path."""
+    """AdamW (Loshchilov & Hutter, arXiv 1711.05101), op for op as torch.optim.AdamW's foreach path.
+
+    Moments stored narrower than their parameter (``exp_avg_dtype``, ``exp_avg_sq_dtype``)
+    are read into its dtype, updated and used there, and rounded once on their way back.
+    """
+    if _narrow(exp_avgs, params) or _narrow(exp_avg_sqs, params):
+        for part in _chunks(params):
+            avgs, sqs = _widen(exp_avgs[part], params[part]), _widen(exp_avg_sqs[part], params[part])
+            adamw_(
+                params[part], grads[part], avgs, sqs, steps[part],
+                lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+            )  # fmt: skip
+            _store(exp_avgs[part], avgs)
+            _store(exp_avg_sqs[part], sqs)
+        return
     torch._foreach_add_(steps, 1.0)
     if weight_decay != 0.0:
         torch._foreach_mul_(params, 1.0 - lr * weight_decay)
@@ -335,7 +409,15 @@ def lion_(
     """Lion (Chen et al. 2023, arXiv 2302.06675) with decoupled weight decay.
 
     ``W <- W (1 - lr wd) - lr sign(b1 m + (1 - b1) g)``, then ``m <- b2 m + (1 - b2) g``.
+    A momentum stored narrower than its parameter (``exp_avg_dtype``) is read into its dtype,
+    used and updated there, and rounded once on its way back.
     """
+    if _narrow(exp_avgs, params):
+        for part in _chunks(params):
+            work = _widen(exp_avgs[part], params[part])
+            lion_(params[part], grads[part], work, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+            _store(exp_avgs[part], work)
+        return
     if weight_decay != 0.0:
         torch._foreach_mul_(params, 1.0 - lr * weight_decay)
     if exp_avgs and _foreach_pays(exp_avgs[0]):

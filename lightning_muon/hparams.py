@@ -1,11 +1,13 @@
-"""``OptimizerConfig``: every algorithm's hyperparameters and the non-finite policy, the settings of one ``Muon``.
+"""``OptimizerConfig``: every algorithm's hyperparameters, the non-finite policy and the state dtypes of one ``Muon``.
 
 Each algorithm keeps its typed, frozen hyperparameters in its own module
 (``algorithms.muon.MuonHparams``, ``algorithms.adamw.AdamWHparams``, ...), checked when
 made. ``OptimizerConfig`` holds one of each built-in, the hyperparameters of any other
-registered algorithm (``algorithm_defaults``), and the non-finite policy. ``Muon``'s flat
-keyword arguments (``lr``, ``adamw_eps``, ``lion_betas``, ...) and ``MuonConfig``'s optimizer
-fields are read off these classes, so a default or a rule is written once.
+registered algorithm (``algorithm_defaults``), the non-finite policy and the dtypes the
+state is stored in (``exp_avg_dtype``, ``exp_avg_sq_dtype``, ``main_params_dtype``:
+Megatron-Core's names, ``algorithms.state_dtypes``). ``Muon``'s flat keyword arguments
+(``lr``, ``adamw_eps``, ``lion_betas``, ...) and ``MuonConfig``'s optimizer fields are read
+off these classes, so a default or a rule is written once.
 
 Errors are ``HparamError`` (a ``ValueError``) naming ``Muon``'s keyword (``adamw_eps``,
 ``lion_betas[0]``, ...), the rule and the value.
@@ -26,6 +28,14 @@ from lightning_muon.algorithms import (
     ScheduleFreeHparams,
     get_algorithm,
 )
+from lightning_muon.algorithms.state_dtypes import (
+    STATE_SETTINGS,
+    MainParamsDtype,
+    StateDtype,
+    check_main_params_dtype,
+    check_state_dtype,
+)
+from lightning_muon.step_memory import StepMemory, check_step_memory_mb
 
 __all__ = ["BUILTIN_HPARAMS", "NONFINITE", "NonFinite", "OptimizerConfig"]
 
@@ -43,7 +53,7 @@ BUILTIN_HPARAMS: dict[str, type] = {
 
 @dataclass(frozen=True, kw_only=True)
 class OptimizerConfig:
-    """Everything ``Muon`` takes besides its parameters: one config per algorithm and the non-finite policy."""
+    """Everything ``Muon`` takes besides its parameters: one config per algorithm, non-finite policy, state dtypes."""
 
     muon: MuonHparams = field(default_factory=MuonHparams)
     """Muon groups."""
@@ -57,10 +67,26 @@ class OptimizerConfig:
     """Group defaults of other registered algorithms, by name: their ``hparams`` (or dicts of its fields)."""
     nonfinite: NonFinite = "raise"
     """On a NaN/inf gradient: "raise", "skip" the step, or "ignore" (no check, no host-device sync)."""
+    exp_avg_dtype: StateDtype = "float32"
+    """Megatron's name: the dtype first moments are stored in (Muon's momentum, AdamW's and Lion's
+    ``exp_avg``), "float32" or "bfloat16"; computed in float32 (``algorithms.state_dtypes``)."""
+    exp_avg_sq_dtype: StateDtype = "float32"
+    """Megatron's name: the dtype second moments are stored in (AdamW's ``exp_avg_sq``, NorMuon's and
+    AdaMuon's ``second_moment``), "float32" or "bfloat16"; computed in float32."""
+    main_params_dtype: MainParamsDtype = None
+    """Megatron's name: None (the parameters are the master copy) or "float32": bf16 and fp16 parameters
+    step on an fp32 copy kept in the optimizer state, written back rounded."""
+    step_memory_mb: StepMemory = "auto"
+    """The most MiB of temporaries one Muon group's step holds at once (updates, Newton-Schulz stacks and
+    workspace, the owners' exchange): "auto" (32 on a CPU, 1024 on a GPU), a number, or None (no cap)."""
 
     def __post_init__(self) -> None:
         if self.nonfinite not in NONFINITE:
             raise HparamError(f"nonfinite must be one of {NONFINITE}, got {self.nonfinite!r}", "nonfinite")
+        for name in ("exp_avg_dtype", "exp_avg_sq_dtype"):
+            object.__setattr__(self, name, check_state_dtype(getattr(self, name), name))
+        object.__setattr__(self, "main_params_dtype", check_main_params_dtype(self.main_params_dtype))
+        object.__setattr__(self, "step_memory_mb", check_step_memory_mb(self.step_memory_mb))
         object.__setattr__(self, "algorithm_defaults", _registered_hparams(self.algorithm_defaults))
 
     @staticmethod
@@ -71,6 +97,8 @@ class OptimizerConfig:
             out.update({part.prefix + f.name: f.default for f in dataclasses.fields(part)})
         out["algorithm_defaults"] = None
         out["nonfinite"] = "raise"
+        out.update(STATE_SETTINGS)
+        out["step_memory_mb"] = "auto"
         return out
 
     @classmethod
@@ -87,6 +115,8 @@ class OptimizerConfig:
             **parts,
             algorithm_defaults=kwargs.get("algorithm_defaults") or {},
             nonfinite=kwargs.get("nonfinite", "raise"),
+            **{name: kwargs.get(name, default) for name, default in STATE_SETTINGS.items()},
+            step_memory_mb=kwargs.get("step_memory_mb", "auto"),
         )
 
     def to_keywords(self) -> dict[str, Any]:
@@ -97,7 +127,13 @@ class OptimizerConfig:
             out.update({part.prefix + f.name: getattr(values, f.name) for f in dataclasses.fields(part)})
         out["algorithm_defaults"] = {n: dataclasses.asdict(h) for n, h in self.algorithm_defaults.items()} or None
         out["nonfinite"] = self.nonfinite
+        out.update({name: getattr(self, name) for name in STATE_SETTINGS})
+        out["step_memory_mb"] = self.step_memory_mb
         return out
+
+    def non_default_state_settings(self) -> dict[str, Any]:
+        """The state-dtype settings away from their defaults (``exp_avg_dtype``, ...): name -> value."""
+        return {name: getattr(self, name) for name, default in STATE_SETTINGS.items() if getattr(self, name) != default}
 
     def hparams_of(self, algorithm: str) -> Any:
         """The hyperparameters new groups of ``algorithm`` start from (its ``hparams`` defaults if not set here)."""

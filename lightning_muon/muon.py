@@ -19,12 +19,21 @@ from lightning_muon.algorithms import (
     ScheduleFreeHparams,
     get_algorithm,
 )
+from lightning_muon.algorithms.checks import HparamError
 from lightning_muon.algorithms.muon import AdjustLR
+from lightning_muon.algorithms.state_dtypes import (
+    MAIN_PARAM,
+    MainParamsDtype,
+    StateDtype,
+    has_main_param,
+    restore_state_dtypes,
+)
 from lightning_muon.hparams import NonFinite, OptimizerConfig
 from lightning_muon.nonfinite import FiniteChecks
 from lightning_muon.routing.added_groups import split_added_group
 from lightning_muon.routing.checkpoint import check_checkpoint_routing
 from lightning_muon.routing.param_groups import algorithm_of, as_groups, group_label, option_names, split_named_params
+from lightning_muon.step_memory import StepMemory
 from lightning_muon.update_hooks import UpdateHook, UpdateHooks
 
 if TYPE_CHECKING:
@@ -96,6 +105,20 @@ class Muon(Optimizer):
             parameter, ``"skip"`` the whole step with a warning, or ``"ignore"``: no check, as
             in torch.optim (a NaN reaches the weights, and a step is free of host-device
             synchronization).
+        exp_avg_dtype, exp_avg_sq_dtype: Megatron-Core's names: ``"float32"`` (default) or
+            ``"bfloat16"``, the dtype first moments (Muon's momentum, AdamW's and Lion's
+            ``exp_avg``) and second moments (AdamW's ``exp_avg_sq``, NorMuon's and AdaMuon's)
+            are stored in, where narrower than the parameter's; each is computed in the
+            parameter's dtype and rounded once when stored (``algorithms.state_dtypes``).
+        main_params_dtype: Megatron-Core's name: None (default) or ``"float32"``: bf16 and
+            fp16 parameters step on an fp32 master copy in ``state[p]["main_param"]``, written
+            back rounded after each step (one process: not under a sharding); no effect on
+            fp32 parameters.
+        step_memory_mb: the most MiB of temporaries one Muon group's step holds at once:
+            ``"auto"`` (default: 32 on a CPU, 1024 on a GPU), a number, or None (no cap). A
+            group larger than that steps in rounds (``step_memory``), each round's updates,
+            Newton-Schulz stacks and, under ``muon_fsdp``, exchange within it; the results
+            are the same bits as without a cap.
 
     References:
         Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024.
@@ -145,6 +168,10 @@ class Muon(Optimizer):
         adamw_schedulefree_weight_lr_power: float = _S.weight_lr_power,
         algorithm_defaults: dict[str, dict[str, Any]] | None = None,
         nonfinite: NonFinite = "raise",
+        exp_avg_dtype: StateDtype | torch.dtype = "float32",
+        exp_avg_sq_dtype: StateDtype | torch.dtype = "float32",
+        main_params_dtype: MainParamsDtype | torch.dtype = None,
+        step_memory_mb: StepMemory = "auto",
     ) -> None:
         keywords = {k: v for k, v in locals().items() if k not in ("self", "params", "__class__")}
         self._setup(params, OptimizerConfig.from_keywords(**keywords))
@@ -206,6 +233,14 @@ class Muon(Optimizer):
         where = group_label(len(self.param_groups), group)
         algorithm = algorithm_of(group, where)
         group["algorithm"] = algorithm.name
+        for setting, value in self.config.non_default_state_settings().items():
+            if setting not in algorithm.state_dtype_settings:
+                raise HparamError(
+                    f"{where}: {setting}={value!r} does not apply to {algorithm.name!r} groups, which keep their "
+                    f"state in their own dtypes; leave {setting} at its default or route these parameters to an "
+                    "algorithm that takes it ('muon', 'adamw', 'lion')",
+                    setting,
+                )
         defaults = self.group_defaults(algorithm.name)
         overrides = [key for key in defaults if key in group]
         for key, value in defaults.items():
@@ -228,6 +263,7 @@ class Muon(Optimizer):
         for group in self.param_groups:
             for key, value in self.group_defaults(group["algorithm"]).items():
                 group.setdefault(key, value)
+        restore_state_dtypes(self, state_dict)  # torch cast the state to each parameter's dtype
 
     # ------------------------------------------------------------------ the step
 
@@ -258,11 +294,17 @@ class Muon(Optimizer):
             return loss
         if self._sharding is not None:
             self._sharding.lend_state()  # a part of a parameter steps under its own state key
+        masters: list[tuple[Tensor, Tensor]] = []
         try:
+            work, masters = self._main_params(work)
             for group, params, grads in work:
                 if params:
                     algorithms[group["algorithm"]][0].step_group(self, group, params, grads)
+            for p, master in masters:
+                p.copy_(master)  # rounded to the parameter's dtype
         finally:
+            for _, master in masters:
+                self.state.pop(master, None)
             if self._sharding is not None:
                 self._sharding.return_state()
         for algorithm, groups in algorithms.values():
@@ -270,6 +312,43 @@ class Muon(Optimizer):
         if self._sharding is not None:
             self._sharding.gather_parameters()  # every rank calls it, owner of matrices or not
         return loss
+
+    def _main_params(self, work: list) -> tuple[list, list[tuple[Tensor, Tensor]]]:
+        """``work`` with each bf16/fp16 parameter's fp32 master copy (``main_params_dtype``) in its place.
+
+        The copy lives in ``state[p]["main_param"]`` (made from ``p`` on its first step) and
+        steps with ``p``'s state, under its own key for the step (``step`` drops that key and
+        writes the copy back into ``p``); its gradient is ``p``'s, in fp32. Returns the new
+        work and the (parameter, master copy) pairs.
+        """
+        if self.config.main_params_dtype is None:
+            return work, []
+        narrow = next((p for _, params, _ in work for p in params if has_main_param(self.config, p)), None)
+        if narrow is None:
+            return work, []
+        if self._sharding is not None:
+            raise HparamError(
+                f"Muon: main_params_dtype={self.config.main_params_dtype!r} keeps fp32 master copies in one "
+                f"process only, and {narrow.dtype} parameters step under a sharding ({type(self._sharding).__name__}); "
+                "keep float32 parameters there (bf16-mixed precision) or leave main_params_dtype at None",
+                "main_params_dtype",
+            )
+        out, masters = [], []
+        for group, params, grads in work:
+            stepped, upcast = [], []
+            for p, g in zip(params, grads):
+                if has_main_param(self.config, p):
+                    entry = self.state[p]
+                    if MAIN_PARAM not in entry:
+                        entry[MAIN_PARAM] = p.detach().to(torch.float32, copy=True)
+                    master = entry[MAIN_PARAM]
+                    self.state[master] = entry  # the algorithm finds p's state under the copy
+                    masters.append((p, master))
+                    p, g = master, g.to(torch.float32)
+                stepped.append(p)
+                upcast.append(g)
+            out.append((group, stepped, upcast))
+        return out, masters
 
     def _collect(self, index: int, group: dict) -> tuple[list[Tensor], list[Tensor]]:
         params, grads = [], []

@@ -34,7 +34,7 @@ from __future__ import annotations
 import functools
 import math
 import os
-from collections.abc import Sequence
+from collections.abc import Collection, Sequence
 from typing import NamedTuple
 
 import torch
@@ -67,6 +67,7 @@ __all__ = [
     "resolve_ns_dtype",
     "resolve_ns_method",
     "runs_alone",
+    "stack_bytes",
     "stacks",
 ]
 
@@ -177,8 +178,6 @@ HALF_BATCH_MAX_SHORT_SIDE = 512
 # Newton-Schulz arithmetic is ~2.5 ms there), and a batched product of same-shape matrices
 # keeps the tensor cores busy: stacks reach up to 2^24 elements (4096 x 4096, 2048 x 8192).
 CUDA_BATCH_MAX_ELEMENTS = 1 << 24
-# Upper bound on the elements of one stacked batch, to bound the extra memory.
-_STACK_MAX_ELEMENTS = 1 << 26
 
 NS_METHODS = ("standard", "gram", "auto")
 # ``method="auto"`` picks Gram Newton-Schulz for a matrix whose long side is at least
@@ -610,7 +609,12 @@ class _Plan(NamedTuple):
     """Per matrix, ``(method, work dtype)``; None for what is not a non-empty 2-D matrix."""
 
 
-def _plan(matrices: Sequence[Tensor], dtype: torch.dtype | str | None, method: str) -> _Plan:
+def _plan(
+    matrices: Sequence[Tensor],
+    dtype: torch.dtype | str | None,
+    method: str,
+    multi_shapes: Collection[tuple[int, int]] = (),
+) -> _Plan:
     check_ns_method(method)
     buckets: dict[tuple, list[int]] = {}
     alone: list[int] = []
@@ -635,29 +639,37 @@ def _plan(matrices: Sequence[Tensor], dtype: torch.dtype | str | None, method: s
             alone.append(i)
         else:
             buckets.setdefault(key, []).append(i)
-    # A stack of one past ``BATCH_MAX_ELEMENTS`` runs alone, as it did before stacks reached
-    # that far: the same iteration without the copy, in place when donated. Smaller ones keep
-    # their stack: laid wide, as a sharded run (which donates nothing) iterates them.
-    for key in [key for key, idx in buckets.items() if len(idx) == 1 and key[0] * key[1] > BATCH_MAX_ELEMENTS]:
-        alone += buckets.pop(key)
+    # A stack of one past ``BATCH_MAX_ELEMENTS`` runs alone: the same iteration without the
+    # copy, in place when donated. Not where its shape has company elsewhere in the step
+    # (``multi_shapes``): there it stays a stack, as in the step's other rounds.
+    lone = [key for key, idx in buckets.items() if len(idx) == 1 and key[0] * key[1] > BATCH_MAX_ELEMENTS]
+    for key in lone:
+        if (key[0], key[1]) not in multi_shapes:
+            alone += buckets.pop(key)
     return _Plan(sorted(alone), buckets, resolved)
 
 
 def runs_alone(
-    matrices: Sequence[Tensor], dtype: torch.dtype | str | None = None, method: str = "standard"
+    matrices: Sequence[Tensor],
+    dtype: torch.dtype | str | None = None,
+    method: str = "standard",
+    multi_shapes: Collection[tuple[int, int]] = (),
 ) -> list[bool]:
     """Per matrix, whether ``orthogonalize_many`` iterates it alone rather than in a stack.
 
     Only the shapes, dtypes and devices are read, so a caller can ask before the matrices exist.
     """
     flags = [False] * len(matrices)
-    for i in _plan(matrices, dtype, method).alone:
+    for i in _plan(matrices, dtype, method, multi_shapes).alone:
         flags[i] = True
     return flags
 
 
 def donated_dtypes(
-    matrices: Sequence[Tensor], dtype: torch.dtype | str | None = None, method: str = "standard"
+    matrices: Sequence[Tensor],
+    dtype: torch.dtype | str | None = None,
+    method: str = "standard",
+    multi_shapes: Collection[tuple[int, int]] = (),
 ) -> list[torch.dtype]:
     """Per matrix, the dtype to make a temporary in that ``orthogonalize_many(donate=True)`` will take.
 
@@ -668,13 +680,33 @@ def donated_dtypes(
     the shapes, dtypes and devices are read (``Muon`` asks with the gradients, then makes the
     Nesterov updates).
     """
-    plan = _plan(matrices, dtype, method)
+    plan = _plan(matrices, dtype, method, multi_shapes)
     out = [M.dtype for M in matrices]
     for i in plan.alone:
         how = plan.resolved[i]
         if how is not None and how[0] == "standard":
             out[i] = how[1]
     return out
+
+
+def _stacks_of(idx: list[int], max_bytes: int | None, per_matrix: int) -> list[list[int]]:
+    """``idx`` cut into stacks of at most ``max_bytes`` (None: one stack), none of one matrix unless ``idx`` is.
+
+    A last stack of one joins the one before it (a stack of two takes the batched products'
+    kernel of every larger stack; one alone would take another, see ``orthogonalize_many``).
+    """
+    size = len(idx) if max_bytes is None else max(2, max_bytes // per_matrix)
+    parts = [idx[start : start + size] for start in range(0, len(idx), size)]
+    if len(parts) > 1 and len(parts[-1]) == 1:
+        last = parts.pop()
+        parts[-1] += last
+    return parts
+
+
+def stack_bytes(rows: int, cols: int, work_dtype: torch.dtype) -> int:
+    """Bytes one ``rows x cols`` matrix takes in a stack: itself and its iterate, and its two Gram-sized buffers."""
+    m, n = min(rows, cols), max(rows, cols)
+    return (2 * m * n + 2 * m * m) * work_dtype.itemsize
 
 
 def orthogonalize_many(
@@ -685,29 +717,37 @@ def orthogonalize_many(
     method: str = "standard",
     keep_work_dtype: bool = False,
     donate: bool = False,
+    max_stack_bytes: int | None = None,
+    multi_shapes: Collection[tuple[int, int]] = (),
 ) -> list[Tensor]:
     """``[orthogonalize(M) for M in matrices]``, with same-shape matrices batched where that pays.
 
     Matrices are bucketed by (short side, long side, device, dtype, method, work dtype); a
-    tall matrix joins the bucket of its transpose. Buckets of matrices that ``stacks``
-    admits (up to ``BATCH_MAX_ELEMENTS`` elements, more in half precision on a CPU) are
-    stacked into one batched iteration, except a lone matrix past ``BATCH_MAX_ELEMENTS``;
-    other matrices run one by one (``runs_alone`` says which). Inputs with batch dims are
-    treated as one item. ``method`` is resolved per matrix, as ``orthogonalize`` does.
+    tall matrix joins the bucket of its transpose. Matrices of the kinds ``stacks`` admits
+    (up to ``BATCH_MAX_ELEMENTS`` elements, more on a GPU and in half precision on a CPU)
+    run the batched iteration, stacked with their bucket in stacks of at most
+    ``max_stack_bytes`` (``stack_bytes`` per matrix; None: one stack per bucket), but at
+    least two. A matrix alone in its bucket runs the 2-D iteration (in place when donated and
+    past ``BATCH_MAX_ELEMENTS``), unless its ``(short side, long side)`` is in
+    ``multi_shapes`` (the caller's other calls hold more of its shape): then it runs as a
+    stack of one beside a zero matrix. Batched products give a matrix the same bits in any
+    stack of two or more, so every result is then the same however a step cuts its matrices
+    into calls (``step_memory``). Other matrices run one by one (``runs_alone`` says which).
+    Inputs with batch dims are treated as one item. ``method`` is resolved per matrix, as ``orthogonalize`` does.
     ``keep_work_dtype=True`` returns each result in the dtype it was computed in (bf16 on
     a fast-bf16 device) instead of casting it back: the caller adds it into the parameter
     in one pass (``muon_apply_``), where a cast would be a second full-size pass.
     ``donate=True``: the matrices are temporaries the caller gives up (``Muon``'s Nesterov
     update, made in the work dtype); one that runs alone and is already contiguous in that
-    dtype is iterated in place, with no copy; a list's entries are set to None as they are
-    consumed (copied into a stack, or iterated), so that each temporary is freed as soon as
-    nothing needs it.
+    dtype is iterated in place, with no copy; a list's
+    entries are set to None as they are consumed (copied into a stack, or iterated), so that
+    each temporary is freed as soon as nothing needs it.
     """
     schedule, norm = resolve_coefficients(coefficients, steps)
     check_ns_method(method)
     out: list[Tensor | None] = [None] * len(matrices)
     release = donate and isinstance(matrices, list)
-    alone, buckets, _ = _plan(matrices, dtype, method)
+    alone, buckets, _ = _plan(matrices, dtype, method, multi_shapes)
     for i in alone:
         M = matrices[i]
         result = _orthogonalize(M, steps, coefficients, dtype, method, donate)
@@ -715,12 +755,16 @@ def orthogonalize_many(
         if release:
             matrices[i] = None  # released: its memory can serve the next matrix
     for (m, n, _, _, bucket_method, work_dtype), idx in buckets.items():
-        chunk = max(1, _STACK_MAX_ELEMENTS // (m * n))
-        for start in range(0, len(idx), chunk):
-            part = idx[start : start + chunk]
+        for part in _stacks_of(idx, max_stack_bytes, stack_bytes(m, n, work_dtype)):
             device, out_dtype = matrices[part[0]].device, matrices[part[0]].dtype
-            # One copy into the stack, cast to the work dtype and laid wide on the way.
-            X = torch.empty(len(part), m, n, dtype=work_dtype, device=device)
+            # One copy into the stack, cast to the work dtype and laid wide on the way. A stack
+            # of one that stands for a larger one gets a zero partner (it stays zero): a batched
+            # product of one matrix takes another kernel than of several (on a CPU, with other
+            # last bits), and the partner keeps the kernel of its shape's other stacks.
+            partner = len(part) == 1 and (m, n) in multi_shapes
+            X = torch.empty(len(part) + partner, m, n, dtype=work_dtype, device=device)
+            if partner:
+                X[1].zero_()
             wide = []
             for k, i in enumerate(part):
                 wide.append(matrices[i].shape[0] == m)

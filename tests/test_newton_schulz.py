@@ -290,23 +290,41 @@ def test_leading_batch_dims_equal_a_loop():
     assert_close(orthogonalize(G), looped, atol=1e-12, rtol=0)
 
 
-@pytest.mark.parametrize(("max_elements", "stack_max"), [(ns.BATCH_MAX_ELEMENTS, 1 << 26), (100, 1000)])
-def test_orthogonalize_many_equals_one_by_one(monkeypatch, max_elements, stack_max):
-    """Bucketed, stacked and chunked batches give what one call per matrix gives."""
-    # The second case lowers the thresholds so that the 12x12 matrices run one by one and
-    # the 6x10 bucket is split into chunks of 1000 // 60 = 16 matrices.
+@pytest.mark.parametrize(("max_elements", "stack_matrices"), [(ns.BATCH_MAX_ELEMENTS, None), (100, 16), (100, 1)])
+def test_orthogonalize_many_equals_one_by_one_bit_for_bit(monkeypatch, max_elements, stack_matrices):
+    """Bucketed, stacked and chunked batches give what one call per matrix gives, the same bits however cut."""
+    # The other cases lower the threshold so that the 12x12 matrices run one by one, and cut
+    # the 6x10 bucket into stacks of 16 matrices, or of one (a stack of one runs the batched
+    # iteration beside a zero matrix: the same bits as in any stack).
     monkeypatch.setattr(ns, "BATCH_MAX_ELEMENTS", max_elements)
-    monkeypatch.setattr(ns, "_STACK_MAX_ELEMENTS", stack_max)
+    cap = None if stack_matrices is None else stack_matrices * ns.stack_bytes(6, 10, torch.float64)
     mats = [randn(6, 10, seed=i) for i in range(20)]
     mats += [randn(10, 6, seed=100 + i) for i in range(5)]  # joins the 6x10 bucket transposed
     mats += [randn(12, 12, seed=200), randn(12, 12, seed=201), randn(3, 4, 5, seed=300), torch.empty(0, 4)]
     mats += [randn(6, 10, seed=400, dtype=torch.float32)]  # same shape, other dtype: its own bucket
-    out = orthogonalize_many(mats)
+    out = orthogonalize_many(mats, max_stack_bytes=cap)
     assert len(out) == len(mats)
-    for M, Q in zip(mats, out):
+    for M, Q, R in zip(mats, out, orthogonalize_many(mats)):
         assert Q.shape == M.shape and Q.dtype == M.dtype
+        assert torch.equal(Q, R)  # however the stacks are cut: the same bits
         # float64 bmm vs mm differ at ~1e-16; float32 only stands alone, so exact is kept there.
         assert_close(Q, orthogonalize(M), atol=1e-12, rtol=0)
+
+
+@pytest.mark.parametrize("dtype", [torch.float32, torch.bfloat16])
+def test_a_matrix_gets_the_same_bits_in_any_stack(dtype):
+    """Stacks of 1, 2, 5 and 12 of one kind, wide and tall, donated or not: each matrix gets the same bits."""
+    mats = [randn(48, 96, seed=i, dtype=dtype) for i in range(6)] + [
+        randn(96, 48, seed=50 + i, dtype=dtype) for i in range(6)
+    ]
+    reference = orthogonalize_many([m.clone() for m in mats], dtype=dtype)
+    per_matrix = ns.stack_bytes(48, 96, dtype)
+    for k in (1, 2, 5):
+        for donate in (False, True):
+            got = orthogonalize_many(
+                [m.clone() for m in mats], dtype=dtype, donate=donate, max_stack_bytes=k * per_matrix
+            )
+            assert all(torch.equal(a, b) for a, b in zip(got, reference)), (k, donate)
 
 
 def test_stacks_reach_further_on_a_gpu_and_in_half_precision_on_a_cpu():
@@ -351,6 +369,8 @@ def test_half_precision_stacks_past_the_common_bound_and_equal_one_by_one(monkey
     # 12 x 20 and its transpose share one stack; the rest run one by one.
     assert sorted(batches) == sorted([(4, 12, 20), (1, 16, 24), (1, 18, 20), (1, 18, 20)])
     assert ns.runs_alone(mats, dtype=torch.bfloat16) == [False] * 4 + [True] * 3
+    # Where the step holds more 16 x 24 matrices elsewhere, this one stays a stack (of one, beside a zero matrix).
+    assert ns.runs_alone(mats, dtype=torch.bfloat16, multi_shapes={(16, 24)}) == [False] * 5 + [True] * 2
     assert ns.runs_alone(mats, dtype=torch.float32) == [True] * 7  # float32 keeps the common bound
     # A donated temporary is made in the work dtype where it runs alone (in place), in its own
     # where a stack's copy casts it, and in its own for Gram Newton-Schulz (float32 work).

@@ -25,6 +25,7 @@ References:
 from __future__ import annotations
 
 import dataclasses
+from collections import Counter
 from dataclasses import dataclass
 from typing import Any, Literal
 
@@ -33,6 +34,7 @@ from torch import Tensor
 
 from lightning_muon.algorithms.base import Algorithm, HparamsSource, register_algorithm
 from lightning_muon.algorithms.checks import HparamError, check_bool, check_choice, check_number, normalize
+from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS, state_dtype
 from lightning_muon.distributed.tp_math import TP_MODES
 from lightning_muon.functional import (
     ADJUST_LR_ALIASES,
@@ -54,6 +56,7 @@ from lightning_muon.newton_schulz import (
     dtype_name,
     resolve_coefficients,
 )
+from lightning_muon.step_memory import matrix_working_bytes, plan_rounds, step_memory_bytes
 
 __all__ = [
     "AdjustLR",
@@ -231,6 +234,7 @@ class MuonAlgorithm(Algorithm):
     hparams = MuonHparams
     orthogonalizes = True
     layout_options = MUON_LAYOUT
+    state_dtype_settings = frozenset(STATE_SETTINGS)
 
     def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
         return check_muon(values, where, prefix)
@@ -248,13 +252,75 @@ class MuonAlgorithm(Algorithm):
         check_muon_params(group, params, where)
 
     def step_group(self, optimizer: Any, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
-        state, sharding = optimizer.state, optimizer.sharding
+        state = optimizer.state
         bufs = []
         for p in params:
             entry = state[p]
             if "momentum_buffer" not in entry:
-                entry["momentum_buffer"] = torch.zeros_like(p, memory_format=torch.preserve_format)
+                dtype = state_dtype(optimizer, "exp_avg_dtype", p)  # exp_avg_dtype: stored narrower
+                entry["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             bufs.append(entry["momentum_buffer"])
+        # In rounds that fit the step's memory cap (``step_memory``): each round makes its
+        # updates, orthogonalizes them and updates its weights before the next one starts.
+        cap = step_memory_bytes(optimizer.config.step_memory_mb, params[0].device)
+        multi = self.multi_shapes(optimizer, group, params)
+        for idx in self.rounds(optimizer, group, params, cap):
+            round_params, round_grads = [params[i] for i in idx], [grads[i] for i in idx]
+            self.step_round(optimizer, group, round_params, round_grads, [bufs[i] for i in idx], cap, multi)
+
+    def multi_shapes(self, optimizer: Any, group: dict, params: list[Tensor]) -> frozenset[tuple[int, int]]:
+        """The ``(short side, long side)`` of matrices this rank orthogonalizes more than one of in this step.
+
+        Handed to every round (``orthogonalize_many``'s ``multi_shapes``), so that a matrix
+        whose shape is stacked in the whole step stays a stack in a round of its own: its
+        result does not depend on the rounds.
+        """
+        layout = layout_of(group)
+        if layout.batched:
+            return frozenset()
+        sharding = optimizer.sharding
+        owners = sharding.round_owners(group, params) if sharding is not None else None
+        counts: Counter[tuple[int, int]] = Counter()
+        for i, p in enumerate(params):
+            if owners is not None and owners[i] is not None and owners[i] != sharding.rank:
+                continue  # another rank orthogonalizes it
+            for rows, cols in layout.piece_shapes(tuple(p.shape)):
+                counts[(min(rows, cols), max(rows, cols))] += 1
+        return frozenset(shape for shape, count in counts.items() if count > 1)
+
+    def rounds(self, optimizer: Any, group: dict, params: list[Tensor], cap: int | None) -> list[list[int]]:
+        """The group's parameters in rounds of at most ``cap`` working bytes (``step_memory.plan_rounds``).
+
+        Planned from the global shapes and, under a sharding, its owners, so that every rank of
+        a sharding plans the same rounds. The estimate takes float32 work for the automatic
+        Newton-Schulz dtype, so that it does not depend on the host.
+        """
+        if cap is None or len(params) == 1:
+            return [list(range(len(params)))]
+        layout = layout_of(group)
+        ns_dtype = check_ns_dtype(group["ns_dtype"])
+        costs, kinds = [], []
+        for p in params:
+            work = ns_dtype if ns_dtype is not None else torch.promote_types(p.dtype, torch.float32)
+            costs.append(matrix_working_bytes(p.shape, layout, p.dtype, work))
+            kinds.append((tuple(layout.piece_shapes(tuple(p.shape))), str(p.dtype)))
+        sharding = optimizer.sharding
+        owners = sharding.round_owners(group, params) if sharding is not None else None
+        world = sharding.world_size if sharding is not None else 1
+        return plan_rounds(costs, kinds, cap, owners, world)
+
+    def step_round(
+        self,
+        optimizer: Any,
+        group: dict,
+        params: list[Tensor],
+        grads: list[Tensor],
+        bufs: list[Tensor],
+        cap: int | None = None,
+        multi_shapes: frozenset[tuple[int, int]] = frozenset(),
+    ) -> None:
+        """One round of the group's step: momentum, Newton-Schulz, second moment, hooks and the weight update."""
+        state, sharding = optimizer.state, optimizer.sharding
         # Without a hook or a sharding to hand the momentum to, the Nesterov update is a
         # temporary that Newton-Schulz may use up, made in the dtype ``donated_dtypes`` names
         # (the cast folded into the momentum kernel). Splits and batches keep theirs: their
@@ -265,22 +331,30 @@ class MuonAlgorithm(Algorithm):
         layout = layout_of(group)
         if donate and layout.split_sizes is None and not layout.batched:
             flat = [g.reshape(g.shape[0], -1) for g in grads]  # the matrices Newton-Schulz will see
-            out_dtypes = donated_dtypes(flat, group["ns_dtype"], group["ns_method"])
+            out_dtypes = donated_dtypes(flat, group["ns_dtype"], group["ns_method"], multi_shapes)
         updates = muon_momentum_(
             grads, bufs, group["momentum"], group["nesterov"], group["momentum_form"], out_dtypes=out_dtypes
         )
         if group["sign_momentum"]:
             updates = list(torch._foreach_sign(updates))
-        ortho = self.orthogonalize(sharding, group, updates, params, donate=donate)
+        stacking = dict(max_stack_bytes=cap, multi_shapes=multi_shapes)
+        ortho = self.orthogonalize(sharding, group, updates, params, donate=donate, **stacking)
         if group["second_moment"] is not None:
-            ortho = self.second_moment(state, group, params, ortho)
+            ortho = self.second_moment(state, group, params, ortho, optimizer=optimizer)
         # A sharding that holds the full matrices only on owner ranks runs the hooks itself.
         if hooks and (sharding is None or not sharding.observes_updates):
             optimizer.run_update_hooks(group, params, updates, ortho)
         self.apply_update(optimizer, group, params, ortho)
 
     def orthogonalize(
-        self, sharding: Any, group: dict, updates: list[Tensor], params: list[Tensor], donate: bool = False
+        self,
+        sharding: Any,
+        group: dict,
+        updates: list[Tensor],
+        params: list[Tensor],
+        donate: bool = False,
+        max_stack_bytes: int | None = None,
+        multi_shapes: frozenset[tuple[int, int]] = frozenset(),
     ) -> list[list[Tensor]]:
         """Per update, its orthogonalized pieces (``MatrixLayout.views``); a sharding does it across ranks."""
         kwargs = dict(
@@ -289,19 +363,28 @@ class MuonAlgorithm(Algorithm):
             ns_coefficients=group["ns_coefficients"],
             ns_dtype=group["ns_dtype"],
             ns_method=group["ns_method"],
+            max_stack_bytes=max_stack_bytes,
+            multi_shapes=multi_shapes,
         )
         if sharding is not None:
             return sharding.orthogonalize(params, updates, **kwargs)
         # Pieces stay in Newton-Schulz's dtype: muon_apply_ adds them into the parameters in one pass.
         return muon_orthogonalize(updates, **kwargs, keep_work_dtype=True, donate=donate)
 
-    def second_moment(self, state: Any, group: dict, params: list[Tensor], ortho: list[list[Tensor]]) -> list:
-        """NorMuon / AdaMuon normalization; the buffer lives in ``state[p]["second_moment"]``."""
+    def second_moment(
+        self, state: Any, group: dict, params: list[Tensor], ortho: list[list[Tensor]], optimizer: Any = None
+    ) -> list:
+        """NorMuon / AdaMuon normalization; the buffer lives in ``state[p]["second_moment"]``.
+
+        It is stored in ``optimizer.config.exp_avg_sq_dtype`` (``state_dtypes``; without an
+        ``optimizer``, in the parameter's dtype) and computed in float32 at least.
+        """
         method, buffers = group["second_moment"], []
         for p in params:
             entry = state[p]
             if "second_moment" not in entry:
-                entry["second_moment"] = second_moment_buffer(p, method, layout_of(group))
+                dtype = state_dtype(optimizer, "exp_avg_sq_dtype", p)
+                entry["second_moment"] = second_moment_buffer(p, method, layout_of(group), dtype=dtype)
             buffers.append(entry["second_moment"])
         return muon_second_moment_(
             ortho,

@@ -139,6 +139,12 @@ class MuonFSDPSharding(Sharding):
         """This rank's part of ``t``: the local tensor of a DTensor, ``t`` itself otherwise."""
         return t.to_local() if isinstance(t, DTensor) else t
 
+    def round_owners(self, group: dict, params: list[Tensor]) -> list[int | None]:
+        """Each parameter's owner; None for expert stacks and in blockwise mode (every rank its own rows)."""
+        if self.mode == "blockwise" or layout_of(group).batched:
+            return [None] * len(params)
+        return [self.owner(p) for p in params]
+
     def agreement_extra(self) -> list[int]:
         """Which Muon matrices have gradients, hashed: FSDP2 gives a gradient on all ranks or on none.
 
@@ -350,8 +356,9 @@ def exchange_with_owners(
     send = [local[i].reshape(-1) for r in range(W) for i in by_owner[r]]
     send_counts = [sum(local[i].numel() for i in by_owner[r]) for r in range(W)]
     recv_counts = [sum(rows[i][s] * row_numel[i] for i in mine) for s in range(W)]
-    blob = torch.cat(send).to(wire) if send else local[0].new_empty(0, dtype=wire)
+    blob = _cat_as(send, wire, local[0])
     recv = all_to_all_v(blob, send_counts, recv_counts, group, stats, name="to_owner")
+    del send, blob
 
     # 2. The owner stacks the row blocks of each of its tensors and computes on them all.
     blocks: dict[int, list[Tensor]] = {i: [] for i in mine}
@@ -359,7 +366,9 @@ def exchange_with_owners(
         for i, part in zip(mine, _split(chunk, [rows[i][s] * row_numel[i] for i in mine])):
             blocks[i].append(part)
     full = [torch.cat(blocks[i]).view(shapes[i]) for i in mine]  # (rows_i, ...) whole tensors
+    del recv, blocks  # the whole tensors are copies: the received rows can go before Newton-Schulz
     computed = compute(mine, full)
+    del full
 
     # 3. The owner sends each rank its rows of every result.
     results = [c.reshape(shapes[i][0], -1) for i, c in zip(mine, computed)]  # (rows_i, row_numel_i)
@@ -370,14 +379,26 @@ def exchange_with_owners(
             back.append(res[start : start + rows[i][r]].reshape(-1))
         back_counts.append(sum(rows[i][r] * row_numel[i] for i in mine))
     from_counts = [sum(rows[i][rank] * row_numel[i] for i in by_owner[s]) for s in range(W)]
-    blob = torch.cat(back).to(wire) if back else local[0].new_empty(0, dtype=wire)
+    blob = _cat_as(back, wire, local[0])
+    del back, results, computed
     got = all_to_all_v(blob, back_counts, from_counts, group, stats, name="from_owner")
+    del blob
 
     out: list[list[Tensor] | None] = [None] * len(local)
     for chunk, s in zip(got.split(from_counts), range(W)):
         for i, part in zip(by_owner[s], _split(chunk, [rows[i][rank] * row_numel[i] for i in by_owner[s]])):
             out[i] = place(i, part.view(local[i].shape).to(dtypes[i]))
     return out  # type: ignore[return-value]
+
+
+def _cat_as(pieces: list[Tensor], dtype: torch.dtype, like: Tensor) -> Tensor:
+    """``torch.cat(pieces).to(dtype)`` in one pass: each piece cast as it is copied in (no full-size copy first)."""
+    out = like.new_empty(sum(t.numel() for t in pieces), dtype=dtype)
+    offset = 0
+    for t in pieces:
+        out[offset : offset + t.numel()].copy_(t.reshape(-1))
+        offset += t.numel()
+    return out
 
 
 def _copies(p: Tensor, world_size: int) -> int:

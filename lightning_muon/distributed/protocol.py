@@ -138,6 +138,16 @@ class Sharding:
         """Gradients of the parts ``stepped`` gives besides whole parameters (none by default)."""
         return []
 
+    def round_owners(self, group: dict, params: list[Tensor]) -> list[int | None] | None:
+        """Who orthogonalizes each of ``params`` (of ``group``) in a step's rounds (``step_memory.plan_rounds``).
+
+        None (the default): this rank orthogonalizes everything it steps, and plans its rounds
+        alone (no collective runs per round). A sharding that sends matrices to owners inside
+        ``orthogonalize`` returns each one's owner rank (None where every rank does its own
+        part), so that every rank plans the same rounds and each owner's share fits the cap.
+        """
+        return None
+
     # ------------------------------------------------------------------ the step
 
     def orthogonalize(self, params: list[Tensor], updates: list[Tensor], **ns_kwargs: Any) -> list[list[Tensor]]:
