@@ -83,7 +83,17 @@ from harness import (
     verdict,
     write_report,
 )
-from step_table import ADAMW_BETAS, ADAMW_EPS, ADAMW_LR, LR, MOMENTUM, VOCAB, WEIGHT_DECAY, gpt_parameters
+from step_table import (
+    ADAMW_BETAS,
+    ADAMW_EPS,
+    ADAMW_LR,
+    LR,
+    MOMENTUM,
+    VOCAB,
+    WEIGHT_DECAY,
+    gpt_parameters,
+    our_optimizer,
+)
 
 from lightning_muon import Muon, MuonConfig, QKClip, UpdateSpectrumMonitor, route_parameters
 from lightning_muon.hparams import OptimizerConfig
@@ -278,27 +288,6 @@ def mib(n: float) -> float:
 # ---------------------------------------------------------------- single: one process, GPT-like parameters
 
 
-def _ours(hidden: list[Tensor], other: list[Tensor], ns_dtype: str | None, **kwargs: Any) -> Muon:
-    """Our hybrid ``Muon`` with step_table's settings: hidden matrices to Muon, the rest to AdamW."""
-    groups = [
-        {"params": hidden, "algorithm": "muon", "ns_dtype": ns_dtype},
-        {"params": other, "algorithm": "adamw"},
-    ]
-    return Muon(
-        groups,
-        lr=LR,
-        momentum=MOMENTUM,
-        nesterov=True,
-        weight_decay=WEIGHT_DECAY,
-        adjust_lr="original",
-        adamw_lr=ADAMW_LR,
-        adamw_betas=ADAMW_BETAS,
-        adamw_eps=ADAMW_EPS,
-        adamw_weight_decay=0.0,
-        **kwargs,
-    )
-
-
 def _torch_adamw(params: list[Tensor], foreach: bool = True) -> torch.optim.AdamW:
     return torch.optim.AdamW(params, lr=ADAMW_LR, betas=ADAMW_BETAS, eps=ADAMW_EPS, weight_decay=0.0, foreach=foreach)
 
@@ -308,19 +297,23 @@ def _single_variants(cfg: dict[str, Any], auto: str) -> dict[str, tuple[str, str
     ours = our_kwargs(cfg)
     label = knob_label(cfg)
     variants: dict[str, tuple[str, str, Callable]] = {
-        "ours": (f"ours{f' ({label})' if label else ''}", auto, lambda h, o: [_ours(h, o, None, **ours)]),
+        "ours": (
+            f"ours{f' ({label})' if label else ''}",
+            auto,
+            lambda h, o: [our_optimizer(h, o, "polar_express", None, **ours)],
+        ),
     }
     if knob_exists():
         variants["ours_unbounded"] = (
             "ours, unbounded (step_memory_mb=None)",
             auto,
-            lambda h, o: [_ours(h, o, None, step_memory_mb=None)],
+            lambda h, o: [our_optimizer(h, o, "polar_express", None, step_memory_mb=None)],
         )
     if auto != "bfloat16":  # torch.optim.Muon iterates in bf16: ours at the same dtype too
         variants["ours_bf16"] = (
             "ours, bf16 Newton-Schulz",
             "bfloat16 (forced)",
-            lambda h, o: [_ours(h, o, "bfloat16", **ours)],
+            lambda h, o: [our_optimizer(h, o, "polar_express", "bfloat16", **ours)],
         )
 
     def torch_reference(h: list[Tensor], o: list[Tensor]) -> list[torch.optim.Optimizer]:
@@ -579,19 +572,9 @@ MESH_CONFIGS = {
 
 def _mesh_model(d: int, blocks: int, mesh: Any, device: str) -> nn.Module:
     """bench_tp.py's stack of blocks, placed as Lightning's ModelParallelStrategy places it."""
-    from bench_tp import COLWISE, Block, shapes
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
+    from bench_tp import build_model
 
-    from lightning_muon.distributed.tensor_parallel import DP_DIM, TP_DIM
-
-    torch.manual_seed(0)
-    model = nn.ModuleList(Block(d) for _ in range(blocks)).to(device)
-    plan = {n: ColwiseParallel() if n in COLWISE else RowwiseParallel() for n in shapes(d)}
-    for block in model:
-        parallelize_module(block, mesh[TP_DIM], plan)
-        fully_shard(block, mesh=mesh[DP_DIM])
-    return model
+    return build_model(d, blocks, mesh, device)
 
 
 def _mesh_rank(rank: int, world: int, cfg: dict[str, Any]) -> dict[str, Any]:

@@ -66,7 +66,8 @@ class Block(nn.Module):
         return x  # fully_shard needs a forward to hook; none runs here
 
 
-def _build(d: int, blocks: int, mesh, device: str) -> nn.ModuleList:
+def build_model(d: int, blocks: int, mesh, device: str) -> nn.ModuleList:
+    """``blocks`` blocks of width ``d``: tensor-parallel on the mesh's tensor dim, FSDP2 on its data dim."""
     from torch.distributed.fsdp import fully_shard
     from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
 
@@ -108,7 +109,7 @@ def _worker(rank: int, world: int, args: dict[str, Any]) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
 
     mesh = init_device_mesh(device, (args["dp"], args["tp"]), mesh_dim_names=(DP_DIM, TP_DIM))
-    model = _build(args["d_model"], args["blocks"], mesh, device)
+    model = build_model(args["d_model"], args["blocks"], mesh, device)
     counter = FlopCounter()
     results = {}
     for mode in TP_MODES:

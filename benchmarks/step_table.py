@@ -112,12 +112,15 @@ def _heavyball_reference_step(hidden: list[Tensor], other: list[Tensor]) -> Call
     return step
 
 
-def _our_step(hidden: list[Tensor], other: list[Tensor], coefficients: str, ns_dtype: str | None) -> Callable:
+def our_optimizer(
+    hidden: list[Tensor], other: list[Tensor], coefficients: str, ns_dtype: str | None, **kwargs: Any
+) -> Muon:
+    """Our hybrid ``Muon`` with the reference's hyperparameters: ``hidden`` to Muon, ``other`` to AdamW."""
     groups = [
         {"params": hidden, "algorithm": "muon", "ns_coefficients": coefficients, "ns_dtype": ns_dtype},
         {"params": other, "algorithm": "adamw"},
     ]
-    opt = Muon(
+    return Muon(
         groups,
         lr=LR,
         momentum=MOMENTUM,
@@ -128,8 +131,12 @@ def _our_step(hidden: list[Tensor], other: list[Tensor], coefficients: str, ns_d
         adamw_betas=ADAMW_BETAS,
         adamw_eps=ADAMW_EPS,
         adamw_weight_decay=0.0,
+        **kwargs,
     )
-    return opt.step
+
+
+def _our_step(hidden: list[Tensor], other: list[Tensor], coefficients: str, ns_dtype: str | None) -> Callable:
+    return our_optimizer(hidden, other, coefficients, ns_dtype).step
 
 
 def _variants(auto: str) -> dict[str, tuple[str, str | None, str | None, str]]:

@@ -47,6 +47,7 @@ from lightning_muon.distributed.protocol import Sharding
 from lightning_muon.functional import all_finite
 from lightning_muon.layout import layout_of
 from lightning_muon.newton_schulz import DTYPES, dtype_name
+from lightning_muon.step_memory import step_memory_bytes
 
 __all__ = ["MODES", "MuonSharding"]
 
@@ -103,9 +104,6 @@ class MuonSharding(Sharding):
             spread=[i in self._split for i in range(len(params))],
             spread_blocks=list(self._split.values()),
         )
-        # Flat send/receive buffers kept across steps: a fresh multi-megabyte tensor per step
-        # costs more in page faults than copying into it (measured 7x on CPU).
-        self._buffers: dict[str, Tensor] = {}
         self._parts: dict[int, Tensor] = {}  # param index -> the view of this rank's rows it steps
         self._warned_observer = False
         super().__init__(
@@ -114,12 +112,6 @@ class MuonSharding(Sharding):
         for i, blocks in self._split.items():
             start, rows = blocks[self.local_rank]
             self._parts[i] = self.params[i].detach()[start : start + rows]
-
-    def _buffer(self, name: str, numel: int, like: Tensor) -> Tensor:
-        buf = self._buffers.get(name)
-        if buf is None or buf.numel() != numel or buf.dtype != like.dtype or buf.device != like.device:
-            buf = self._buffers[name] = like.new_empty(numel)
-        return buf
 
     def owns(self, p: Tensor) -> bool:
         """True when this rank steps ``p`` whole: its group's owner of the matrix, or ``p`` is not a Muon parameter.
@@ -197,31 +189,65 @@ class MuonSharding(Sharding):
             self._assign(self._overlap.finish())  # the buckets sent from backward's hooks
             return
         S = self.group_size
-        by_owner = self._by_owner()
         dtype = self.params[0].dtype
-        pieces, send_counts = [], []
+        device = self.params[0].device
+        summed = []
+        # In rounds that fit the step's memory cap (``step_memory_mb``): round k sends each owner
+        # its k-th chunk of units; every rank cuts the same chunks from the same plan.
+        for chunks in self._exchange_rounds():
+            pieces, send_counts = [], []
+            for owned in chunks:
+                # One extra element per unit: 1 where this rank has a gradient.
+                for p, start, rows in owned:
+                    grad = p.grad if p.grad is not None else torch.zeros_like(p)
+                    pieces.append(unit_rows(grad, start, rows).to(dtype))
+                pieces.append(torch.tensor([p.grad is not None for p, _, _ in owned], dtype=dtype, device=device))
+                send_counts.append(sum(_unit_numel(u) for u in owned) + len(owned))
+            mine = chunks[self.local_rank]
+            size = sum(_unit_numel(u) for u in mine) + len(mine)
+            send = torch.cat(pieces)
+            del pieces
+            recv = all_to_all_v(send, send_counts, [size] * S, self.owner_group, self.stats, "reduce_scatter")
+            del send
+            view = recv.view(S, size)  # (S, size): what each rank of the group sent this one
+            total = view[0]
+            for row in view[1:]:
+                total.add_(row)  # summed in place, in rank order
+            if self.peer_group is not None and total.numel():
+                all_reduce_(total, group=self.peer_group, stats=self.stats, name="reduce_across")
+            # The owned gradients become views of this round's sum: a copy of its first row, so
+            # that the other rows' memory goes now.
+            summed.append((mine, total.clone() if S > 1 else total))
+            del recv, view, total
+        self._assign(summed)
+
+    def _exchange_rounds(self) -> list[list[list[tuple[Tensor, int, int]]]]:
+        """The owners' units in rounds: round k holds, per local rank of the group, its k-th chunk of units.
+
+        A chunk holds at most ``cap / (2 S)`` bytes of units (a larger unit alone): a round's
+        send and receive buffers then fit the cap (``step_memory_mb``; None: one round). Every
+        rank of the group cuts the same chunks from the same plan.
+        """
+        by_owner = self._by_owner()
+        itemsize = self.params[0].element_size()
+        cap = step_memory_bytes(self.optimizer.config.step_memory_mb, self.params[0].device)
+        if cap is None:
+            return [by_owner]
+        budget = max(1, cap // (2 * self.group_size * itemsize))  # elements per owner per round
+        per_owner = []
         for owned in by_owner:
-            # One extra element per unit: 1 where this rank has a gradient.
-            for p, start, rows in owned:
-                grad = p.grad if p.grad is not None else torch.zeros_like(p)
-                pieces.append(unit_rows(grad, start, rows).to(dtype))
-            flags = torch.tensor([p.grad is not None for p, _, _ in owned], dtype=dtype, device=self.params[0].device)
-            pieces.append(flags)
-            send_counts.append(sum(_unit_numel(u) for u in owned) + len(owned))
-        mine = by_owner[self.local_rank]
-        size = sum(_unit_numel(u) for u in mine) + len(mine)
-        ref = self.params[0].detach()
-        send = torch.cat(pieces, out=self._buffer("reduce_send", sum(send_counts), ref))
-        # The owned gradients below are views of this buffer, until the next reduce refills it.
-        recv = self._buffer("reduce_recv", size * S, ref)
-        all_to_all_v(send, send_counts, [size] * S, self.owner_group, self.stats, "reduce_scatter", out=recv)
-        view = recv.view(S, size)  # (S, size): what each rank of the group sent this one
-        total = view[0]
-        for row in view[1:]:
-            total.add_(row)  # summed in place, in rank order
-        if self.peer_group is not None and total.numel():
-            all_reduce_(total, group=self.peer_group, stats=self.stats, name="reduce_across")
-        self._assign([(mine, total)])
+            chunks: list[list[tuple[Tensor, int, int]]] = [[]]
+            load = 0
+            for unit in owned:
+                n = _unit_numel(unit)
+                if chunks[-1] and load + n > budget:
+                    chunks.append([])
+                    load = 0
+                chunks[-1].append(unit)
+                load += n
+            per_owner.append(chunks)
+        rounds = max(len(c) for c in per_owner)
+        return [[c[k] if k < len(c) else [] for c in per_owner] for k in range(rounds)]
 
     def _assign(self, summed: list[tuple[list[tuple[Tensor, int, int]], Tensor]]) -> None:
         """Owned gradients become views of each summed buffer (grads, then flags); other Muon gradients are dropped.
@@ -286,26 +312,27 @@ class MuonSharding(Sharding):
         """Send every owner's Muon units to the other ranks of its group (after the owners stepped)."""
         if self.group_size == 1 or not self.params:
             return
-        by_owner = self._by_owner()
-        mine = by_owner[self.local_rank]
-        ref = self.params[0].detach()
-        sizes = [sum(_unit_numel(u) for u in owned) for owned in by_owner]
-        blob = self._buffer("gather_send", sizes[self.local_rank], ref)
-        if mine:
-            torch.cat([unit_rows(p.detach(), start, rows) for p, start, rows in mine], out=blob)
-        send_counts = [0 if r == self.local_rank else blob.numel() for r in range(self.group_size)]
-        recv_counts = [0 if r == self.local_rank else sizes[r] for r in range(self.group_size)]
-        send = blob if self.group_size == 2 else torch.cat([blob] * (self.group_size - 1))
-        recv = self._buffer("gather_recv", sum(recv_counts), ref)
-        all_to_all_v(send, send_counts, recv_counts, self.owner_group, self.stats, name="all_gather", out=recv)
-        offset = 0
-        for r, owned in enumerate(by_owner):
-            if r == self.local_rank:
-                continue
-            for p, start, rows in owned:
-                n = _unit_numel((p, start, rows))
-                unit_rows(p.detach(), start, rows).copy_(recv[offset : offset + n])
-                offset += n
+        for chunks in self._exchange_rounds():  # rounds that fit the step's memory cap, as the reduce's
+            mine = chunks[self.local_rank]
+            sizes = [sum(_unit_numel(u) for u in owned) for owned in chunks]
+            ref = self.params[0].detach()
+            blob = ref.new_empty(sizes[self.local_rank])
+            if mine:
+                torch.cat([unit_rows(p.detach(), start, rows) for p, start, rows in mine], out=blob)
+            send_counts = [0 if r == self.local_rank else blob.numel() for r in range(self.group_size)]
+            recv_counts = [0 if r == self.local_rank else sizes[r] for r in range(self.group_size)]
+            send = blob if self.group_size == 2 else torch.cat([blob] * (self.group_size - 1))
+            del blob
+            recv = all_to_all_v(send, send_counts, recv_counts, self.owner_group, self.stats, name="all_gather")
+            del send
+            offset = 0
+            for r, owned in enumerate(chunks):
+                if r == self.local_rank:
+                    continue
+                for p, start, rows in owned:
+                    n = _unit_numel((p, start, rows))
+                    unit_rows(p.detach(), start, rows).copy_(recv[offset : offset + n])
+                    offset += n
 
     @torch.no_grad()
     def gather_states(self) -> list[dict[str, object]]:
