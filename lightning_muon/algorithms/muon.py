@@ -263,12 +263,18 @@ class MuonAlgorithm(Algorithm):
         # In rounds that fit the step's memory cap (``step_memory``): each round makes its
         # updates, orthogonalizes them and updates its weights before the next one starts.
         cap = step_memory_bytes(optimizer.config.step_memory_mb, params[0].device)
-        multi = self.multi_shapes(optimizer, group, params)
-        for idx in self.rounds(optimizer, group, params, cap):
+        sharding = optimizer.sharding
+        # Who orthogonalizes each parameter (None: this rank, every one it steps).
+        owners = sharding.round_owners(group, params) if sharding is not None else None
+        multi = self.multi_shapes(group, params, owners, None if sharding is None else sharding.rank)
+        world = 1 if sharding is None else sharding.world_size
+        for idx in self.rounds(group, params, cap, owners, world):
             round_params, round_grads = [params[i] for i in idx], [grads[i] for i in idx]
             self.step_round(optimizer, group, round_params, round_grads, [bufs[i] for i in idx], cap, multi)
 
-    def multi_shapes(self, optimizer: Any, group: dict, params: list[Tensor]) -> frozenset[tuple[int, int]]:
+    def multi_shapes(
+        self, group: dict, params: list[Tensor], owners: list[int | None] | None, rank: int | None
+    ) -> frozenset[tuple[int, int]]:
         """The ``(short side, long side)`` of matrices this rank orthogonalizes more than one of in this step.
 
         Handed to every round (``orthogonalize_many``'s ``multi_shapes``), so that a matrix
@@ -278,21 +284,21 @@ class MuonAlgorithm(Algorithm):
         layout = layout_of(group)
         if layout.batched:
             return frozenset()
-        sharding = optimizer.sharding
-        owners = sharding.round_owners(group, params) if sharding is not None else None
         counts: Counter[tuple[int, int]] = Counter()
         for i, p in enumerate(params):
-            if owners is not None and owners[i] is not None and owners[i] != sharding.rank:
+            if owners is not None and owners[i] is not None and owners[i] != rank:
                 continue  # another rank orthogonalizes it
             for rows, cols in layout.piece_shapes(tuple(p.shape)):
                 counts[(min(rows, cols), max(rows, cols))] += 1
         return frozenset(shape for shape, count in counts.items() if count > 1)
 
-    def rounds(self, optimizer: Any, group: dict, params: list[Tensor], cap: int | None) -> list[list[int]]:
+    def rounds(
+        self, group: dict, params: list[Tensor], cap: int | None, owners: list[int | None] | None, world: int
+    ) -> list[list[int]]:
         """The group's parameters in rounds of at most ``cap`` working bytes (``step_memory.plan_rounds``).
 
-        Planned from the global shapes and, under a sharding, its owners, so that every rank of
-        a sharding plans the same rounds. The estimate takes float32 work for the automatic
+        Planned from the global shapes and, under a sharding, its ``owners`` among ``world``
+        ranks, so that every rank of a sharding plans the same rounds. The estimate takes float32 work for the automatic
         Newton-Schulz dtype, so that it does not depend on the host.
         """
         if cap is None or len(params) == 1:
@@ -304,9 +310,6 @@ class MuonAlgorithm(Algorithm):
             work = ns_dtype if ns_dtype is not None else torch.promote_types(p.dtype, torch.float32)
             costs.append(matrix_working_bytes(p.shape, layout, p.dtype, work))
             kinds.append((tuple(layout.piece_shapes(tuple(p.shape))), str(p.dtype)))
-        sharding = optimizer.sharding
-        owners = sharding.round_owners(group, params) if sharding is not None else None
-        world = sharding.world_size if sharding is not None else 1
         return plan_rounds(costs, kinds, cap, owners, world)
 
     def step_round(
@@ -337,8 +340,9 @@ class MuonAlgorithm(Algorithm):
         )
         if group["sign_momentum"]:
             updates = list(torch._foreach_sign(updates))
-        stacking = dict(max_stack_bytes=cap, multi_shapes=multi_shapes)
-        ortho = self.orthogonalize(sharding, group, updates, params, donate=donate, **stacking)
+        ortho = self.orthogonalize(
+            sharding, group, updates, params, donate=donate, max_stack_bytes=cap, multi_shapes=multi_shapes
+        )
         if group["second_moment"] is not None:
             ortho = self.second_moment(state, group, params, ortho, optimizer=optimizer)
         # A sharding that holds the full matrices only on owner ranks runs the hooks itself.
