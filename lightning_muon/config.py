@@ -16,19 +16,9 @@ from typing import Any, Literal
 
 from torch import nn
 
-from lightning_muon.algorithms import (
-    SCHEDULE_FREE,
-    AdamWHparams,
-    HparamError,
-    LionHparams,
-    MuonHparams,
-    ScheduleFreeHparams,
-    get_algorithm,
-    get_algorithm_of_kind,
-)
+from lightning_muon.algorithms import SCHEDULE_FREE, HparamError, get_algorithm, get_algorithm_of_kind
 from lightning_muon.algorithms.adamw_schedulefree import schedulefree
-from lightning_muon.algorithms.muon import AdjustLR, CoefficientName, NSDtype
-from lightning_muon.hparams import BUILTIN_HPARAMS, NonFinite, OptimizerConfig
+from lightning_muon.hparams import BUILTIN_HPARAMS, NonFinite, OptimizerConfig, flat_keyword_fields
 from lightning_muon.muon import Muon
 from lightning_muon.routing import DEFAULT_HEAD_NAMES, RoutingConfig, Rule
 from lightning_muon.routing.added_groups import ModuleRouter
@@ -39,56 +29,41 @@ from lightning_muon.schedules import Falloff, LRSchedule, MomentumWarmup, MuonSc
 __all__ = ["MEGATRON_COEFFICIENTS", "QKV_NAMES", "MuonConfig"]
 
 # Defaults are the parts' own (their class attributes): written once, there.
-_M, _A, _L, _S = MuonHparams, AdamWHparams, LionHparams, ScheduleFreeHparams
 _SCHEDULE, _WARMUP = ScheduleConfig, MomentumWarmup
 # Schedule fields whose errors have always named the field (the others: "MuonConfig: <error>").
 _NAMED_SCHEDULE_ERRORS = ("cooldown", "momentum_warmup_start", "momentum_warmup_steps")
 
 
+def _optimizer_fields() -> type:
+    """A dataclass of ``Muon``'s flat keywords (``hparams.flat_keyword_fields``): ``MuonConfig``'s first fields.
+
+    Made from the algorithms' hyperparameters, so that a built-in algorithm's keys are
+    ``MuonConfig`` fields (and YAML keys) without being written again here.
+    """
+    flat = flat_keyword_fields()
+    fields = [(name, annotation, field(default=default, kw_only=True)) for name, annotation, default, _ in flat]
+    base = dataclasses.make_dataclass("OptimizerFields", fields, kw_only=True)
+    base.__module__ = __name__
+    base.__doc__ = "Muon's flat keywords, each the field of an algorithm's hyperparameters.\n\nArgs:\n" + "\n".join(
+        f"    {name}: {doc}" for name, _, _, doc in flat
+    )
+    return base
+
+
+OptimizerFields = _optimizer_fields()
+
+
 @dataclass(kw_only=True)
-class MuonConfig:
+class MuonConfig(OptimizerFields):
     """Configuration of the hybrid Muon optimizer, its routing and its schedules.
 
-    Field names of the optimizer knobs equal ``Muon``'s keyword arguments. Every
-    field is checked in ``__post_init__``; an error names the field and the value.
+    The optimizer fields are ``Muon``'s keyword arguments, made from the algorithms'
+    hyperparameters (``OptimizerFields``: ``lr``, ``ns_dtype``, ``adamw_eps``,
+    ``soap_shampoo_beta``, ``adaptive_muon_moment2_method``, ...; each documented in its
+    ``algorithms`` module). Every field is checked in ``__post_init__``; an error names the
+    field and the value.
     """
 
-    # --- Muon groups -------------------------------------------------------------------
-    lr: float = _M.lr
-    """Muon learning rate (peak, before the schedule)."""
-    momentum: float = _M.momentum
-    """Muon momentum (after the momentum warmup)."""
-    nesterov: bool = _M.nesterov
-    """Nesterov form of the momentum."""
-    weight_decay: float = _M.weight_decay
-    """Muon decoupled weight decay, multiplied by the base lr."""
-    ns_steps: int = _M.ns_steps
-    """Newton-Schulz iterations."""
-    ns_coefficients: CoefficientName | list[tuple[float, float, float]] = _M.ns_coefficients
-    """A schedule name in ``COEFFICIENTS`` or a list of (a, b, c)."""
-    ns_dtype: NSDtype | None = _M.ns_dtype
-    """Newton-Schulz dtype: None (automatic), "float32" or "bfloat16"."""
-    adjust_lr: AdjustLR = _M.adjust_lr
-    """Update scale by shape: original, match_rms_adamw, spectral, spectral_norm, none (+ Megatron aliases)."""
-    extra_scale_factor: float = _M.extra_scale_factor
-    """Multiplies the adjusted Muon lr."""
-    momentum_form: Literal["ema", "sum"] = _M.momentum_form
-    """Muon momentum: "ema" (B <- mu B + (1 - mu) G) or "sum" (B <- mu B + G)."""
-    second_moment: Literal["normuon", "adamuon"] | None = _M.second_moment
-    """None, "normuon" (per-row second moment, arXiv 2510.05491) or "adamuon" (per element, arXiv 2507.11005)."""
-    second_moment_beta2: float = _M.second_moment_beta2
-    """Decay of the NorMuon / AdaMuon second moment."""
-    second_moment_eps: float = _M.second_moment_eps
-    """Added to the root of the NorMuon / AdaMuon second moment."""
-    sign_momentum: bool = _M.sign_momentum
-    """Orthogonalize sign(momentum) (AdaMuon's sign-stabilized update)."""
-    weight_decay_form: Literal["decoupled", "cautious"] = _M.weight_decay_form
-    """Muon weight decay: "decoupled" or "cautious" (only where update and weight agree in sign)."""
-    ns_method: Literal["auto", "standard", "gram"] = _M.ns_method
-    """Newton-Schulz iteration: "auto", "standard" or "gram" (Gram Newton-Schulz)."""
-    tp_mode: Literal["duplicated", "distributed", "blockwise"] = _M.tp_mode
-    """Matrices split by tensor parallelism: "duplicated" (exact: gathered whole in the group),
-    "distributed" (exact: Gram matrices all-reduced, no whole matrix) or "blockwise" (approximate)."""
     # --- Megatron-Core names (mapped onto the fields above) -----------------------------
     coefficient_type: Literal["simple", "quintic", "polar_express", "aol", "cans", "deepseekv4", "custom"] | None = None
     """Megatron's schedule name: simple, quintic, polar_express, aol, cans, deepseekv4 or custom -> ns_coefficients."""
@@ -101,8 +76,8 @@ class MuonConfig:
     nn.MultiheadAttention's in_proj_weight, whose layout is known, into its three parts."""
     qkv_split_shapes: tuple[int, ...] | None = None
     """Rows of Q, K, V per query group, e.g. (heads_per_group * head_dim, head_dim, head_dim)."""
-    moment2_method: Literal["adamuon", "normuon"] | None = None
-    """Megatron's adamuon or normuon (-> second_moment)."""
+    moment2_method: Literal["adamuon", "normuon", "namo"] | None = None
+    """Megatron's adamuon, normuon or namo (-> second_moment, Emerging-Optimizers' forms)."""
     # --- AdamW / Lion / Schedule-Free AdamW groups ----------------------------------------
     scalar_optimizer: str = "adamw"
     """Algorithm for embeddings, head and vectors under the default rules: "adamw", "lion",
@@ -110,34 +85,6 @@ class MuonConfig:
     matrix_optimizer: str = "muon"
     """Algorithm for the hidden matrices under the default rules: "muon" or a registered variant of it
     ("muon_hyperball"; a name or an import path)."""
-    adamw_lr: float = _A.lr
-    """AdamW learning rate (peak); follows the same schedule as Muon's."""
-    adamw_betas: tuple[float, float] = _A.betas
-    """AdamW (beta1, beta2)."""
-    adamw_eps: float = _A.eps
-    """AdamW epsilon."""
-    adamw_weight_decay: float = _A.weight_decay
-    """AdamW decoupled weight decay (the default ``vectors`` rule sets 0 for 1-D params)."""
-    lion_lr: float | None = _L.lr
-    """Lion learning rate; None uses ``adamw_lr``."""
-    lion_betas: tuple[float, float] = _L.betas
-    """Lion (beta1, beta2)."""
-    lion_weight_decay: float | None = _L.weight_decay
-    """Lion decoupled weight decay; None uses ``adamw_weight_decay``."""
-    adamw_schedulefree_lr: float | None = _S.lr
-    """Schedule-Free AdamW learning rate; None uses ``adamw_lr``. Warmup only, never a falloff."""
-    adamw_schedulefree_betas: tuple[float, float] = _S.betas
-    """Schedule-Free AdamW (beta1, beta2); beta1 interpolates between the average and the iterate."""
-    adamw_schedulefree_eps: float = _S.eps
-    """Schedule-Free AdamW epsilon."""
-    adamw_schedulefree_weight_decay: float | None = _S.weight_decay
-    """Schedule-Free AdamW weight decay (at y, times the lr); None uses ``adamw_weight_decay``."""
-    adamw_schedulefree_warmup_steps: int = _S.warmup_steps
-    """schedulefree's own warmup inside the optimizer; leave 0 when ``warmup`` is set (it applies already)."""
-    adamw_schedulefree_r: float = _S.r
-    """Schedule-Free's polynomial weighting power of the average."""
-    adamw_schedulefree_weight_lr_power: float = _S.weight_lr_power
-    """Schedule-Free's averaging weight is ``lr_max ** weight_lr_power``."""
     algorithm_defaults: dict[str, dict[str, Any]] = field(default_factory=dict)
     """Group defaults of other registered algorithms, by name: ``{"muon_hyperball": {"hyperball_radius": 1.0}}``."""
     nonfinite: NonFinite = "raise"
@@ -191,9 +138,10 @@ class MuonConfig:
     def __post_init__(self) -> None:
         self.rules = [_rule(i, r) for i, r in enumerate(self.rules)]
         self.head_names = tuple(self.head_names)
-        self.adamw_betas = tuple(self.adamw_betas)
-        self.lion_betas = tuple(self.lion_betas)
-        self.adamw_schedulefree_betas = tuple(self.adamw_schedulefree_betas)
+        for name, _, default, _ in flat_keyword_fields():
+            value = getattr(self, name)
+            if isinstance(default, tuple) and isinstance(value, list):
+                setattr(self, name, tuple(value))  # YAML gives a list for (beta1, beta2)
         if self.ns_coefficients is not None and not isinstance(self.ns_coefficients, str):
             self.ns_coefficients = [tuple(abc) for abc in self.ns_coefficients]
         map_megatron_names(self)
@@ -256,9 +204,10 @@ class MuonConfig:
         """A copy whose Muon lr is ``lr`` and whose every other lr moves by the same factor, ``lr / self.lr``.
 
         ``adamw_lr``, ``lion_lr`` and ``adamw_schedulefree_lr`` (``None`` keeps following
-        ``adamw_lr``), the rules' ``lr`` options and the lr of every other registered algorithm
-        this config names (in ``algorithm_defaults``, a rule, ``matrix_optimizer`` or
-        ``scalar_optimizer``) whose hyperparameters have one keep their ratio to the Muon lr:
+        ``adamw_lr``), every other built-in algorithm's (``laprop_lr``, ``soap_lr``, ...), the
+        rules' ``lr`` options and the lr of every other registered algorithm this config names
+        (in ``algorithm_defaults``, a rule, ``matrix_optimizer`` or ``scalar_optimizer``) whose
+        hyperparameters have one keep their ratio to the Muon lr:
         this is how the lr finder's suggestion, a Muon lr, becomes a config
         (``MuonModuleMixin.lr``). Variants of Muon without an lr of their own
         (``muon_hyperball``) follow ``lr``.
@@ -277,12 +226,15 @@ class MuonConfig:
             dataclasses.replace(r, options={**r.options, "lr": r.options["lr"] * factor}) if "lr" in r.options else r
             for r in self.rules
         ]
+        lrs = {
+            BUILTIN_HPARAMS[name].prefix + "lr": scaled(getattr(self, BUILTIN_HPARAMS[name].prefix + "lr"))
+            for name in BUILTIN_HPARAMS
+            if name != "muon" and "lr" in {f.name for f in dataclasses.fields(BUILTIN_HPARAMS[name])}
+        }
         return dataclasses.replace(
             self,
             lr=lr,
-            adamw_lr=self.adamw_lr * factor,
-            lion_lr=scaled(self.lion_lr),
-            adamw_schedulefree_lr=scaled(self.adamw_schedulefree_lr),
+            **lrs,
             rules=rules,
             algorithm_defaults={**self.algorithm_defaults, **self._scaled_algorithm_lrs(factor)},
         )

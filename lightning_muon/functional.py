@@ -9,7 +9,7 @@ reuse the same pieces on whatever matrices their rank owns.
 from __future__ import annotations
 
 import math
-from collections.abc import Collection, Sequence
+from collections.abc import Callable, Collection, Sequence
 
 import torch
 from torch import Tensor
@@ -32,15 +32,21 @@ __all__ = [
     "muon_momentum_",
     "muon_orthogonalize",
     "muon_second_moment_",
+    "namo_norms",
+    "namo_scale_",
     "second_moment_buffer",
+    "second_moment_shape",
+    "stat_axis",
 ]
 
 # EMA: B <- mu B + (1 - mu) G (torch.optim.Muon, Keller Jordan); sum: B <- mu B + G (Moonlight, dion).
 MOMENTUM_FORMS = ("ema", "sum")
 # Decoupled: W <- W (1 - lr wd); cautious: only where the update and W agree in sign.
 WEIGHT_DECAY_FORMS = ("decoupled", "cautious")
-# Second moments of the orthogonalized update: per row (NorMuon) or per element (AdaMuon).
-SECOND_MOMENTS = ("normuon", "adamuon")
+# Second moments of the orthogonalized update, per row or column (NorMuon), per element (AdaMuon) or per
+# matrix (NAMO): Emerging-Optimizers' (Megatron-Core's) forms, then ours that keep plain Muon's RMS
+# (``muon_second_moment_``).
+SECOND_MOMENTS = ("normuon", "adamuon", "namo", "normuon_rms", "adamuon_rms")
 
 # Update scale per matrix shape (rows, cols), times ``extra_scale_factor``.
 ADJUST_LR_MODES = {
@@ -218,24 +224,55 @@ def muon_orthogonalize(
     return [[next(ortho) for _ in range(n)] for n in counts]
 
 
+def stat_axis(method: str, layout: MatrixLayout, shape: Sequence[int]) -> int:
+    """The axis of every piece of a ``shape`` tensor that a NorMuon statistic averages over.
+
+    ``"normuon_rms"``: the inputs (``layout.in_axis``), one statistic per output.
+    ``"normuon"`` (Emerging-Optimizers): the matrix's longer axis as stored, its columns when
+    it is square (``-1`` if rows >= cols, else ``-2``). A split tensor (fused QKV, gate/up),
+    which Emerging-Optimizers does not cut, keeps one statistic per output: its pieces may
+    differ in shape, and its buffer is cut by outputs.
+    """
+    if method != "normuon" or layout.split_sizes is not None:
+        return layout.in_axis
+    rows, cols = layout.matrix_shapes(shape)[0]  # every matrix of a batch has one shape
+    return -1 if rows >= cols else -2
+
+
+def second_moment_shape(shape: Sequence[int], method: str, layout: MatrixLayout) -> tuple[int, ...]:
+    """The shape of ``second_moment_buffer`` for a parameter of ``shape`` (without making it)."""
+    shape = tuple(shape)
+    if method in ("adamuon", "adamuon_rms"):
+        return shape
+    if method == "namo":
+        return shape[:-2] if layout.batched else ()
+    m = list(shape) if layout.batched else [shape[0], math.prod(shape[1:])]
+    m[stat_axis(method, layout, shape)] = 1
+    return tuple(m)
+
+
 def second_moment_buffer(p: Tensor, method: str, layout: MatrixLayout, dtype: torch.dtype | None = None) -> Tensor:
     """A zero second-moment buffer for parameter ``p``, made from ``p`` (a DTensor gives a DTensor), in ``p``'s
     dtype or ``dtype``.
 
-    ``"adamuon"``: shaped like ``p``. ``"normuon"``: one entry per output of every matrix,
-    shaped like ``p`` with each matrix's input axis reduced to 1: ``(rows, 1)`` for a
-    ``(dim 0, rest)`` matrix, ``(1, cols)`` for a transposed one, ``(..., rows, 1)`` or
-    ``(..., 1, cols)`` for a batch. With ``split_sizes`` every piece owns its outputs of the
-    same buffer (``layout.slots(buffer)``), so one plain tensor per parameter serves fused
-    QKV and fused gate/up too, and a row shard of an ``(out, in)`` ``p`` (FSDP2, dim 0) holds
-    the rows of the buffer it needs.
+    ``"adamuon"``, ``"adamuon_rms"``: shaped like ``p``. ``"normuon"``, ``"normuon_rms"``:
+    shaped like ``p`` with every matrix's ``stat_axis`` reduced to 1: ``(rows, 1)`` for a
+    ``(dim 0, rest)`` matrix averaged over its inputs, ``(1, cols)`` over its rows,
+    ``(..., rows, 1)`` or ``(..., 1, cols)`` for a batch. With ``split_sizes`` every piece owns
+    its outputs of the same buffer (``layout.slots(buffer)``), so one plain tensor per
+    parameter serves fused QKV and fused gate/up too, and a row shard of an ``(out, in)``
+    ``p`` (FSDP2, dim 0) holds the rows of the buffer it needs. ``"namo"``: one value per
+    matrix of a batch (``p``'s batch shape), else a plain scalar per parameter, replicated on
+    every rank (its norms span the whole parameter).
     """
-    if method == "adamuon":
+    if method in ("adamuon", "adamuon_rms"):
         return torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
-    if layout.batched:
-        first = p[..., :1, :] if layout.transposed else p[..., :1]
-    else:
-        first = p[:1] if layout.transposed else p.reshape(p.shape[0], -1)[:, :1]
+    if method == "namo":
+        if layout.batched:
+            return torch.zeros_like(p[..., 0, 0], dtype=dtype, memory_format=torch.contiguous_format)
+        return torch.zeros((), dtype=dtype or p.dtype, device=p.device)
+    m = p if layout.batched else p.reshape(p.shape[0], -1)
+    first = m[..., :1, :] if stat_axis(method, layout, p.shape) == -2 else m[..., :1]
     return torch.zeros_like(first, dtype=dtype, memory_format=torch.contiguous_format)
 
 
@@ -248,40 +285,59 @@ def muon_second_moment_(
     beta2: float,
     eps: float,
 ) -> list[list[Tensor]]:
-    """Normalize orthogonalized pieces by a second moment; returns the new pieces.
+    """Normalize orthogonalized pieces by a second moment; returns the new pieces (``"namo"``: ``namo_scale_``).
 
-    For each matrix ``O`` (buffers updated in place)::
+    For each matrix ``O`` (buffers updated in place), Emerging-Optimizers' forms (Megatron-Core's
+    ``adaptive_muon``)::
 
-        v <- beta2 v + (1 - beta2) mean_in(O * O)       # "normuon": one v per output
-        v <- beta2 v + (1 - beta2) O * O                # "adamuon": one v per element
-        O_hat <- O / (sqrt(v) + eps)
-        O_hat <- O_hat * ||O||_F / ||O_hat||_F          # the update keeps plain Muon's size
+        "adamuon":  v <- beta2 v + (1 - beta2) O * O               # one v per element
+                    O_hat <- O / (sqrt(v) + eps)
+        "normuon":  v <- beta2 v + (1 - beta2) mean_long(O * O)    # one v per row or column
+                    O_hat <- O * rsqrt(max(v, eps))
+                    O_hat <- O_hat * ||O||_F / max(||O_hat||_F, eps)
+
+    ``mean_long`` averages over the matrix's longer axis (its columns when square), and
+    ``adamuon`` is not rescaled: its update grows as ``v`` is small (early steps, without
+    bias correction). Ours keep plain Muon's size::
+
+        "normuon_rms":  v <- beta2 v + (1 - beta2) mean_in(O * O)   # one v per output
+        "adamuon_rms":  v <- beta2 v + (1 - beta2) O * O
+                        O_hat <- O / (sqrt(v) + eps)
+                        O_hat <- O_hat * ||O||_F / ||O_hat||_F
 
     ``mean_in`` averages over each matrix's inputs (its columns, or its rows when the
     layout is transposed), so a stored transpose gets the statistics of the ``nn.Linear``
     it stands for. The last line makes the update's Frobenius norm (and RMS) exactly plain
     Muon's, so a Muon lr (and ``adjust_lr``) carries over unchanged; no bias correction is
     needed, the rescale removes it. Both papers rescale to an RMS of 0.2 instead
-    (``0.2 sqrt(m n) / ||O_hat||_F``): with ``adjust_lr="match_rms_adamw"`` ours equals that
-    times ``||O||_F / sqrt(min(m, n))``, which is 1 for an exact polar factor. Each matrix is
-    rescaled alone: every piece of a split, every matrix of a batch. The statistics are per
-    output or per element; only the two norms span a matrix.
+    (``0.2 sqrt(m n) / ||O_hat||_F``): with ``adjust_lr="match_rms_adamw"`` the ``_rms`` forms
+    equal that times ``||O||_F / sqrt(min(m, n))``, which is 1 for an exact polar factor. Each
+    matrix is rescaled alone: every piece of a split, every matrix of a batch. The statistics
+    are per output, per row or column, or per element; only the two norms span a matrix.
 
     References:
         Li, Liu, Liang, Chen, Zhao, "NorMuon: Making Muon more efficient and scalable",
         arXiv 2510.05491, 2025.
         Si, Zhang, Shen, "AdaMuon: Adaptive Muon Optimizer", arXiv 2507.11005, 2025.
+        NVIDIA-NeMo Emerging-Optimizers 0.3.0, ``AdaptiveMuon`` (``moment2_method``).
     """
     out = []
+    elementwise = method in ("adamuon", "adamuon_rms")
     for pieces, buf in zip(ortho, buffers):
         normalized = []
         for o, slot in zip(pieces, layout.slots(buf)):
+            axis = stat_axis(method, layout, o.shape)  # the axis the buffer was made for
             # Statistics in float32 at least: squares of bf16 entries lose digits.
             work = torch.promote_types(o.dtype, torch.float32)
             x = o.to(work)  # (B?, rows, cols)
-            v = slot.reshape(x.shape if method == "adamuon" else layout.stat_shape(x.shape))
+            if elementwise:
+                v_shape = x.shape
+            else:
+                v_shape = list(x.shape)
+                v_shape[axis] = 1
+            v = slot.reshape(v_shape)
             sq = x.square()
-            stat = sq.mean(dim=layout.in_axis, keepdim=True) if method == "normuon" else sq
+            stat = sq if elementwise else sq.mean(dim=axis, keepdim=True)
             if v.dtype.itemsize < work.itemsize:
                 # Stored narrower (exp_avg_sq_dtype="bfloat16", a bf16 parameter): updated and
                 # used in the work dtype, rounded once into the buffer.
@@ -291,14 +347,84 @@ def muon_second_moment_(
                 v.lerp_(stat.to(v.dtype), 1.0 - beta2)
                 if v.data_ptr() != slot.data_ptr():
                     slot.copy_(v.view(slot.shape))  # a grouped split's slot is strided: write the copy back
-            x_hat = x / v.to(work).sqrt().add_(eps)
-            dims = (-2, -1)  # one norm per matrix: each of a batch, each piece of a split
-            ratio = torch.linalg.vector_norm(x, dim=dims, keepdim=True) / torch.linalg.vector_norm(
-                x_hat, dim=dims, keepdim=True
-            ).clamp_min(torch.finfo(work).tiny)  # a zero update stays zero
+            v = v.to(work)
+            if method == "normuon":
+                x_hat = x * v.clamp_min(eps).rsqrt()
+            else:
+                x_hat = x / v.sqrt().add_(eps)
+            if method != "adamuon":
+                dims = (-2, -1)  # one norm per matrix: each of a batch, each piece of a split
+                floor = eps if method == "normuon" else torch.finfo(work).tiny  # a zero update stays zero
+                ratio = torch.linalg.vector_norm(x, dim=dims, keepdim=True) / torch.linalg.vector_norm(
+                    x_hat, dim=dims, keepdim=True
+                ).clamp_min(floor)
+                x_hat = x_hat.mul_(ratio)
             # Kept in the work dtype (float32 at least): a bf16 piece is not rounded twice.
-            normalized.append(x_hat.mul_(ratio))
+            normalized.append(x_hat)
         out.append(normalized)
+    return out
+
+
+def namo_norms(
+    grads: list[Tensor], updates: list[Tensor], layout: MatrixLayout, local: Callable[[Tensor], Tensor]
+) -> Tensor:
+    """Per parameter ``[||G||^2, ||U||^2]`` over this rank's part of it, in float64 (``(K, 2)``); NAMO's inputs.
+
+    ``G`` is the raw gradient, ``U`` the update Newton-Schulz is fed. A batch gives one row
+    per matrix instead, flattened over the parameters' batches (``(sum B, 2)``): whole
+    matrices are local under every sharding, so those need no reduction.
+    """
+    rows = []
+    for g, u in zip(grads, updates):
+        g, u = local(g), local(u)
+        work = torch.promote_types(g.dtype, torch.float32)
+        if layout.batched:
+            dims = (-2, -1)
+            gg = g.to(work).square().sum(dim=dims).reshape(-1)
+            uu = u.to(work).square().sum(dim=dims).reshape(-1)
+            rows.append(torch.stack([gg, uu], dim=1))
+        else:
+            gg = torch.linalg.vector_norm(g, dtype=work).square()
+            uu = torch.linalg.vector_norm(u, dtype=work).square()
+            rows.append(torch.stack([gg, uu]).unsqueeze(0))
+    return torch.cat(rows).to(torch.float64)
+
+
+def namo_scale_(
+    ortho: list[list[Tensor]], buffers: list[Tensor], sums: Tensor, *, beta2: float, eps: float, batched: bool
+) -> list[list[Tensor]]:
+    """NAMO: every matrix's ``O`` times ``alpha = ||U||_F / (sqrt(v) + eps)``, ``v <- beta2 v + (1 - beta2) ||G||_F^2``.
+
+    ``sums`` are ``namo_norms``'s whole-matrix ``[||G||^2, ||U||^2]`` rows (reduced over
+    ranks where a matrix is split); ``buffers`` the EMAs ``v`` (updated in place). The scale
+    is a scalar per parameter (per matrix of a batch), as Emerging-Optimizers takes it.
+
+    References:
+        NAMO, arXiv 2602.17080; NVIDIA-NeMo Emerging-Optimizers 0.3.0, ``AdaptiveMuon``.
+    """
+    out, row = [], 0
+    for pieces, buf in zip(ortho, buffers):
+        n = buf.numel() if batched else 1
+        gg, uu = sums[row : row + n, 0], sums[row : row + n, 1]
+        row += n
+        local = buf.to_local() if isinstance(buf, DTensor) else buf  # a batch's experts on this rank
+        work = torch.promote_types(local.dtype, torch.float32)
+        v = local.to(work).reshape(-1).lerp_(gg.to(device=local.device, dtype=work), 1.0 - beta2)  # (n,)
+        local.copy_(v.view(local.shape))
+        alpha = uu.to(device=local.device, dtype=work).sqrt() / (v.sqrt() + eps)  # (n,)
+        scaled = []
+        for o in pieces:
+            if not batched:
+                scaled.append(o.to(torch.promote_types(o.dtype, torch.float32)) * float(alpha))
+                continue
+            x = o.to_local() if isinstance(o, DTensor) else o  # (B_local, rows, cols)
+            x = x.to(torch.promote_types(x.dtype, torch.float32)) * alpha.view(*x.shape[:-2], 1, 1)
+            if isinstance(o, DTensor):
+                x = DTensor.from_local(
+                    x, o.device_mesh, o.placements, run_check=False, shape=o.shape, stride=o.stride()
+                )
+            scaled.append(x)
+        out.append(scaled)
     return out
 
 

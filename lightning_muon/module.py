@@ -201,7 +201,7 @@ class MuonModuleMixin:
         """
         inner = getattr(optimizer, "_optimizer", optimizer)  # a LightningOptimizer wraps it
         if gradient_clip_val and isinstance(inner, Muon):
-            inner.precheck_gradients()
+            inner.finite_checks.precheck()
         super().configure_gradient_clipping(optimizer, gradient_clip_val, gradient_clip_algorithm)  # type: ignore[misc]
 
     def configure_callbacks(self) -> Any:

@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import inspect
 from collections.abc import Callable, Iterable
 from typing import TYPE_CHECKING, Any
 
@@ -10,17 +11,9 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_muon.algorithms import (
-    SCHEDULE_FREE,
-    AdamWHparams,
-    Algorithm,
-    LionHparams,
-    MuonHparams,
-    ScheduleFreeHparams,
-    get_algorithm,
-)
+from lightning_muon.algorithms import Algorithm, get_algorithm
+from lightning_muon.algorithms.base import StepContext
 from lightning_muon.algorithms.checks import HparamError
-from lightning_muon.algorithms.muon import AdjustLR
 from lightning_muon.algorithms.state_dtypes import (
     MAIN_PARAM,
     MainParamsDtype,
@@ -28,7 +21,7 @@ from lightning_muon.algorithms.state_dtypes import (
     has_main_param,
     restore_state_dtypes,
 )
-from lightning_muon.hparams import NonFinite, OptimizerConfig
+from lightning_muon.hparams import NonFinite, OptimizerConfig, flat_keyword_fields
 from lightning_muon.nonfinite import FiniteChecks
 from lightning_muon.routing.added_groups import split_added_group
 from lightning_muon.routing.checkpoint import check_checkpoint_routing
@@ -41,8 +34,6 @@ if TYPE_CHECKING:
     from lightning_muon.routing.added_groups import Router
 
 __all__ = ["Muon", "UpdateHook"]
-
-_M, _A, _L, _S = MuonHparams, AdamWHparams, LionHparams, ScheduleFreeHparams  # defaults: their class attributes
 
 
 class Muon(Optimizer):
@@ -99,6 +90,11 @@ class Muon(Optimizer):
             weight decay default to AdamW's).
         adamw_schedulefree_*: Schedule-Free AdamW group defaults, ``ScheduleFreeHparams``
             (``AdamWScheduleFree``'s keywords; lr and weight decay default to AdamW's).
+        adaptive_muon_*, laprop_*, scion_*, polargrad_*, mop_*, spel_*, sinkhorn_muon_*, soap_*,
+            rekls_*: the defaults of the other built-in algorithms' groups, their hyperparameters'
+            fields prefixed by the algorithm's name (``soap_shampoo_beta``,
+            ``adaptive_muon_moment2_method``: Megatron-Core's names), each documented in its
+            module under ``algorithms``. ``inspect.signature(Muon)`` lists every one.
         algorithm_defaults: group defaults of other registered algorithms, by name: a dict of
             their hyperparameters (``{"muon_hyperball": {"hyperball_radius": 1.0}}``).
         nonfinite: ``"raise"`` (default) on a NaN/inf gradient, naming the group and
@@ -132,48 +128,9 @@ class Muon(Optimizer):
         Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz", 2026 (dao-ailab.github.io/blog/2026/gram-newton-schulz).
     """
 
-    def __init__(
-        self,
-        params: Iterable[Any],
-        lr: float = _M.lr,
-        momentum: float = _M.momentum,
-        nesterov: bool = _M.nesterov,
-        weight_decay: float = _M.weight_decay,
-        ns_steps: int = _M.ns_steps,
-        ns_coefficients: str | list[tuple[float, float, float]] = _M.ns_coefficients,
-        ns_dtype: torch.dtype | str | None = _M.ns_dtype,
-        adjust_lr: AdjustLR = _M.adjust_lr,
-        extra_scale_factor: float = _M.extra_scale_factor,
-        momentum_form: str = _M.momentum_form,
-        second_moment: str | None = _M.second_moment,
-        second_moment_beta2: float = _M.second_moment_beta2,
-        second_moment_eps: float = _M.second_moment_eps,
-        sign_momentum: bool = _M.sign_momentum,
-        weight_decay_form: str = _M.weight_decay_form,
-        ns_method: str = _M.ns_method,
-        tp_mode: str = _M.tp_mode,
-        adamw_lr: float = _A.lr,
-        adamw_betas: tuple[float, float] = _A.betas,
-        adamw_eps: float = _A.eps,
-        adamw_weight_decay: float = _A.weight_decay,
-        lion_lr: float | None = _L.lr,
-        lion_betas: tuple[float, float] = _L.betas,
-        lion_weight_decay: float | None = _L.weight_decay,
-        adamw_schedulefree_lr: float | None = _S.lr,
-        adamw_schedulefree_betas: tuple[float, float] = _S.betas,
-        adamw_schedulefree_eps: float = _S.eps,
-        adamw_schedulefree_weight_decay: float | None = _S.weight_decay,
-        adamw_schedulefree_warmup_steps: int = _S.warmup_steps,
-        adamw_schedulefree_r: float = _S.r,
-        adamw_schedulefree_weight_lr_power: float = _S.weight_lr_power,
-        algorithm_defaults: dict[str, dict[str, Any]] | None = None,
-        nonfinite: NonFinite = "raise",
-        exp_avg_dtype: StateDtype | torch.dtype = "float32",
-        exp_avg_sq_dtype: StateDtype | torch.dtype = "float32",
-        main_params_dtype: MainParamsDtype | torch.dtype = None,
-        step_memory_mb: StepMemory = "auto",
-    ) -> None:
-        keywords = {k: v for k, v in locals().items() if k not in ("self", "params", "__class__")}
+    def __init__(self, params: Iterable[Any], **keywords: Any) -> None:
+        # The keywords are the hyperparameters' fields, prefixed (``hparams.flat_keyword_fields``),
+        # then the settings: ``__signature__`` below lists them with their types and defaults.
         self._setup(params, OptimizerConfig.from_keywords(**keywords))
 
     @classmethod
@@ -191,7 +148,8 @@ class Muon(Optimizer):
         self._mesh_checked = False  # whether the first step looked for DTensors without a sharding
         self._update_hooks = UpdateHooks()
         self._router: Router | None = None
-        self._finite = FiniteChecks(self)
+        self.finite_checks = FiniteChecks(self)
+        """The non-finite gradient checks: ``precheck()`` before clipping, ``label(i, j)`` of a parameter."""
         self._defaults: dict[str, dict[str, Any]] = {}  # per algorithm, made on first use
         # Only keys every group has live in ``defaults``: Optimizer copies them into each
         # group, and LearningRateMonitor would read ``betas`` from every group if it were here.
@@ -256,16 +214,27 @@ class Muon(Optimizer):
         torch matches saved state to parameters by position alone: after a routing change that
         keeps group sizes, Muon momentum would land on an AdamW parameter and the reverse, and
         after one that changes shapes the first step would fail far from the cause
-        (``checkpoint_routing``). Groups saved before a knob existed take its default.
+        (``checkpoint_routing``). Groups saved before a knob existed take its default, after
+        their algorithm's ``upgrade_group`` (a key whose meaning changed keeps the old one).
         """
         check_checkpoint_routing(self.param_groups, state_dict)
         super().load_state_dict(state_dict)
         for group in self.param_groups:
+            get_algorithm(group["algorithm"]).upgrade_group(group)
             for key, value in self.group_defaults(group["algorithm"]).items():
                 group.setdefault(key, value)
         restore_state_dtypes(self, state_dict)  # torch cast the state to each parameter's dtype
 
     # ------------------------------------------------------------------ the step
+
+    @property
+    def _step_context(self) -> StepContext:
+        """All an algorithm's step sees of this optimizer; made on first use (a deep copy, which torch's
+        ``Optimizer.__getstate__`` makes of groups and state alone, makes its own)."""
+        ctx = self.__dict__.get("_ctx")
+        if ctx is None:
+            ctx = self.__dict__["_ctx"] = StepContext(self)
+        return ctx
 
     def _algorithms(self) -> dict[str, tuple[Algorithm, list[dict[str, Any]]]]:
         """Each algorithm in use, with its groups, in the order of its first group (the same on every rank)."""
@@ -284,13 +253,13 @@ class Muon(Optimizer):
             self._attach_mesh_sharding()
         algorithms = self._algorithms()
         for algorithm, groups in algorithms.values():
-            algorithm.prepare_step(self, groups)  # before the closure (Schedule-Free: refuse eval mode)
+            algorithm.prepare_step(self._step_context, groups)  # before the closure (Schedule-Free: refuse eval mode)
         loss = None
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
         work = [(group, *self._collect(i, group)) for i, group in enumerate(self.param_groups)]
-        if not self._finite.grads_finite(work):
+        if not self.finite_checks.grads_finite(work):
             return loss
         if self._sharding is not None:
             self._sharding.lend_state()  # a part of a parameter steps under its own state key
@@ -299,7 +268,7 @@ class Muon(Optimizer):
             work, masters = self._main_params(work)
             for group, params, grads in work:
                 if params:
-                    algorithms[group["algorithm"]][0].step_group(self, group, params, grads)
+                    algorithms[group["algorithm"]][0].step_group(self._step_context, group, params, grads)
             for p, master in masters:
                 p.copy_(master)  # rounded to the parameter's dtype
         finally:
@@ -308,7 +277,7 @@ class Muon(Optimizer):
             if self._sharding is not None:
                 self._sharding.return_state()
         for algorithm, groups in algorithms.values():
-            algorithm.finish_step(self, groups)
+            algorithm.finish_step(self._step_context, groups)
         if self._sharding is not None:
             self._sharding.gather_parameters()  # every rank calls it, owner of matrices or not
         return loss
@@ -379,7 +348,7 @@ class Muon(Optimizer):
         already in train mode.
         """
         for algorithm, groups in self._algorithms().values():
-            algorithm.train(self, groups)
+            algorithm.train(self._step_context, groups)
 
     def eval(self) -> None:
         """Every group to eval mode: Schedule-Free groups' parameters hold the averaged weights ``x``.
@@ -389,17 +358,7 @@ class Muon(Optimizer):
         loading brings back the training weights). A no-op for the other groups.
         """
         for algorithm, groups in self._algorithms().values():
-            algorithm.eval(self, groups)
-
-    @property
-    def schedule_free_groups(self) -> list[dict[str, Any]]:
-        """The ``"adamw_schedulefree"`` param groups (empty when there are none)."""
-        return [g for g in self.param_groups if g["algorithm"] == SCHEDULE_FREE]
-
-    @property
-    def schedule_free_training(self) -> bool:
-        """True when a schedule-free group is in train mode."""
-        return any(g["train_mode"] for g in self.schedule_free_groups)
+            algorithm.eval(self._step_context, groups)
 
     # ------------------------------------------------------------------ sharding and update hooks
 
@@ -431,7 +390,7 @@ class Muon(Optimizer):
         from torch.distributed.tensor import DTensor
 
         self._mesh_checked = True
-        muon = [p for g in self.param_groups if get_algorithm(g["algorithm"]).orthogonalizes for p in g["params"]]
+        muon = [p for g in self.param_groups if get_algorithm(g["algorithm"]).per_matrix for p in g["params"]]
         if not any(isinstance(p, DTensor) for p in muon):
             return
         from lightning_muon.distributed.tensor_parallel import MuonTPSharding
@@ -462,30 +421,30 @@ class Muon(Optimizer):
         """Call every registered update hook, in registration order (a sharding that observes updates calls it)."""
         self._update_hooks.run(group, params, updates, ortho)
 
-    # ------------------------------------------------------------------ non-finite gradients (``nonfinite``)
 
-    def param_label(self, i: int, j: int) -> str:
-        """``param group i ('name'), parameter j 'param name' of shape (...)``, for messages."""
-        return self._finite.label(i, j)
+def _init_signature() -> tuple[inspect.Signature, dict[str, Any]]:
+    """``Muon.__init__``'s signature and annotations: ``params``, every flat keyword, then the settings."""
+    keyword = inspect.Parameter.KEYWORD_ONLY
+    parameters = [
+        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
+        inspect.Parameter("params", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Iterable[Any]),
+    ]
+    for name, annotation, default, _ in flat_keyword_fields():
+        if name == "ns_dtype":
+            annotation = annotation | torch.dtype  # a torch.dtype is taken too
+        parameters.append(inspect.Parameter(name, keyword, default=default, annotation=annotation))
+    settings = {
+        "algorithm_defaults": (dict[str, dict[str, Any]] | None, None),
+        "nonfinite": (NonFinite, "raise"),
+        "exp_avg_dtype": (StateDtype | torch.dtype, "float32"),
+        "exp_avg_sq_dtype": (StateDtype | torch.dtype, "float32"),
+        "main_params_dtype": (MainParamsDtype | torch.dtype, None),
+        "step_memory_mb": (StepMemory, "auto"),
+    }
+    for name, (annotation, default) in settings.items():
+        parameters.append(inspect.Parameter(name, keyword, default=default, annotation=annotation))
+    signature = inspect.Signature(parameters, return_annotation=None)
+    return signature, {p.name: p.annotation for p in parameters[1:]} | {"return": None}
 
-    def nonfinite_culprit_index(self) -> tuple[int, int] | None:
-        """(group, index) of the first parameter whose gradient on this rank holds NaN or inf, or None."""
-        return self._finite.culprit_index()
 
-    def nonfinite_culprit(self) -> str | None:
-        """``param_label`` of ``nonfinite_culprit_index()``, or None."""
-        return self._finite.culprit()
-
-    def precheck_gradients(self) -> bool:
-        """Check the gradients now, before something (clipping) rewrites them; the next step reuses the answer.
-
-        Clipping by norm spreads one NaN to every gradient; called before it, the step's error
-        names the parameter whose gradient went bad. Costs the one pass the step would make
-        (the step then skips its own), and keeps its answer only for these same gradients.
-        Returns True when every gradient is finite.
-        """
-        return self._finite.precheck()
-
-    def record_precheck(self, ok: bool, culprit: str | None = None) -> None:
-        """Remember that the current gradients are (not) all finite; a sharding that checked them calls it."""
-        self._finite.record(ok, culprit)
+Muon.__init__.__signature__, Muon.__init__.__annotations__ = _init_signature()

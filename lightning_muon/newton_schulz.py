@@ -44,6 +44,7 @@ from lightning_muon.symmetric import SymmetricProduct, symmetric_blocks
 
 __all__ = [
     "BATCH_MAX_ELEMENTS",
+    "MatrixMap",
     "CUDA_BATCH_MAX_ELEMENTS",
     "COEFFICIENTS",
     "DTYPES",
@@ -119,6 +120,19 @@ COEFFICIENTS: dict[str, list[Coefficients]] = {
         (1.875, -1.25, 0.375),
     ],
     "polar_express_paper": _paper_schedule(),
+    # Megatron-Core's "polar_express" (NVIDIA Emerging-Optimizers 0.3.0 ``muon_utils``): the
+    # paper's 8 tuples with the 1.01 safety folded in, as that library lists them (4 digits),
+    # pre-scaled by ||X||_F without a further safety: its results to float32 rounding.
+    "polar_express_megatron": [
+        (8.2051, -22.9019, 16.4607),
+        (4.0664, -2.8612, 0.5184),
+        (3.9096, -2.8234, 0.5250),
+        (3.2856, -2.4153, 0.4853),
+        (2.2779, -1.6198, 0.3985),
+        (1.8726, -1.2307, 0.3585),
+        (1.8564, -1.2132, 0.3568),
+        (1.8750, -1.2500, 0.3750),
+    ],
     # CANS, Chebyshev-type polynomials accelerating Newton-Schulz (Grishina, Smirnov, Rakhuba,
     # arXiv 2506.10935), as NVIDIA Emerging-Optimizers 0.3.0 lists them (``muon_utils``,
     # coefficient type "cans", pre-scaled by ||X||_F): 5 steps, the last repeated for more.
@@ -151,6 +165,7 @@ NORMALIZATION: dict[str, Normalization] = {
     "you": Normalization(1.0, 1e-7),
     "polar_express": Normalization(1.02, 1e-6),  # nanochat's 5-step schedule
     "polar_express_paper": Normalization(1.01, 1e-7),
+    "polar_express_megatron": Normalization(1.0, 1e-7),
     "cans": Normalization(1.0, 1e-7),  # Emerging-Optimizers: X / max(||X||_F, 1e-7)
     "deepseekv4": Normalization(1.0, 1e-7),
     "cubic": Normalization(1.0, 1e-7),
@@ -329,8 +344,31 @@ def check_ns_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return dtype
 
 
-def check_ns_method(method: str) -> str:
-    """Validate a user's ``ns_method``."""
+class MatrixMap:
+    """A function of whole matrices that takes Newton-Schulz's place where an ``ns_method`` is given.
+
+    A variant whose per-matrix work is not the Newton-Schulz iteration (MOP's polar factor by
+    SVD, Sinkhorn-Knopp normalization of a weight) subclasses it and passes an instance as
+    ``ns_method`` to ``orthogonalize_many`` or ``functional.muon_orthogonalize``, directly or
+    through a ``Sharding``'s ``orthogonalize``: owners then gather each whole matrix, apply
+    it, and send each rank its part, as they do for Newton-Schulz. ``__call__`` takes one
+    matrix in its stored orientation (``(rows, cols)``), in float32 or float64, and returns the
+    result of that shape; ``name`` says what it is in messages.
+    """
+
+    name = "matrix map"
+
+    def __call__(self, X: Tensor) -> Tensor:
+        raise NotImplementedError(f"{type(self).__name__} does not define __call__")
+
+    def __repr__(self) -> str:
+        return f"{type(self).__name__}()"
+
+
+def check_ns_method(method: str | MatrixMap) -> str | MatrixMap:
+    """Validate a user's ``ns_method`` (or a ``MatrixMap`` a variant passes)."""
+    if isinstance(method, MatrixMap):
+        return method
     if method not in NS_METHODS:
         raise ValueError(f"ns_method must be one of {NS_METHODS}, got {method!r}")
     return method
@@ -680,12 +718,33 @@ def donated_dtypes(
     the shapes, dtypes and devices are read (``Muon`` asks with the gradients, then makes the
     Nesterov updates).
     """
-    plan = _plan(matrices, dtype, method, multi_shapes)
     out = [M.dtype for M in matrices]
+    if isinstance(method, MatrixMap):
+        return out  # a map reads its inputs in their own dtype
+    plan = _plan(matrices, dtype, method, multi_shapes)
     for i in plan.alone:
         how = plan.resolved[i]
         if how is not None and how[0] == "standard":
             out[i] = how[1]
+    return out
+
+
+def _map_each(matrices: Sequence[Tensor], fn: MatrixMap, keep_work_dtype: bool, donate: bool) -> list[Tensor]:
+    """``fn`` on every matrix (of a batch, every one of it) in float32 at least, as stored (``MatrixMap``)."""
+    out = []
+    release = donate and isinstance(matrices, list)
+    for i in range(len(matrices)):
+        M = matrices[i]
+        work = torch.promote_types(M.dtype, torch.float32)
+        X = M.to(work)
+        if X.ndim == 2:
+            result = fn(X)
+        else:  # (..., rows, cols): each matrix of the batch
+            flat = X.reshape(-1, *X.shape[-2:])
+            result = torch.stack([fn(x) for x in flat]).reshape(X.shape) if flat.shape[0] else X.clone()
+        out.append(result if keep_work_dtype else result.to(M.dtype))
+        if release:
+            matrices[i] = None
     return out
 
 
@@ -743,6 +802,8 @@ def orthogonalize_many(
     entries are set to None as they are consumed (copied into a stack, or iterated), so that
     each temporary is freed as soon as nothing needs it.
     """
+    if isinstance(method, MatrixMap):
+        return _map_each(matrices, method, keep_work_dtype, donate)
     schedule, norm = resolve_coefficients(coefficients, steps)
     check_ns_method(method)
     out: list[Tensor | None] = [None] * len(matrices)

@@ -1,8 +1,7 @@
 """Non-finite gradients: ``Muon``'s check before a step, the parameter it names, and the pre-clipping check.
 
-``FiniteChecks`` is composed into ``Muon`` (one per optimizer), which exposes its
-``param_label``, ``nonfinite_culprit_index``, ``nonfinite_culprit``, ``precheck_gradients``
-and ``record_precheck``.
+``FiniteChecks`` is composed into ``Muon`` (one per optimizer, ``Muon.finite_checks``):
+``precheck()`` before clipping, ``label(i, j)`` naming a parameter, ``culprit()``.
 
 With ``nonfinite="raise"`` (the default) a NaN or inf in a gradient raises, naming the
 group and parameter; ``"skip"`` skips the whole step with a warning; ``"ignore"`` checks

@@ -108,30 +108,57 @@ def muon64(
 
     Tensors of more than 2 dims are taken as ``(rows, prod(rest))`` matrices (a conv as
     ``(out, in * kh * kw)``). ``extra`` is the extra scale factor on the update. The second
-    moment is ``None`` without one, else shaped ``(rows, 1)`` (NorMuon) or ``(rows, cols)``
-    (AdaMuon).
+    moment is ``None`` without one, else shaped ``(rows, 1)`` (NorMuon per output, and
+    Emerging-Optimizers' NorMuon of a tall or square matrix), ``(1, cols)`` (the latter of a
+    wide one), ``(rows, cols)`` (AdaMuon) or ``()`` (NAMO). The forms:
+
+    - ``"normuon_rms"``, ``"adamuon_rms"``: ``O / (sqrt(v) + eps)`` rescaled to ``||O||_F``;
+    - ``"adamuon"``: ``O / (sqrt(v) + eps)``;
+    - ``"normuon"``: ``v`` the mean over the longer axis, ``O rsqrt(max(v, eps))`` rescaled
+      to ``||O||_F`` (the norm floored at eps);
+    - ``"namo"``: ``O ||U||_F / (sqrt(v) + eps)``, ``v`` the EMA of ``||G||_F^2``.
     """
     W = W0.to(torch.float64, copy=True)
     B = torch.zeros_like(W)
     rows = W.shape[0]
+    cols = W[0].numel()
     V = None
-    if second_moment == "normuon":
-        V = torch.zeros(rows, 1, dtype=torch.float64)
-    elif second_moment == "adamuon":
-        V = torch.zeros(rows, W[0].numel(), dtype=torch.float64)
+    wide_normuon = second_moment == "normuon" and rows < cols
+    if second_moment in ("normuon", "normuon_rms"):
+        V = torch.zeros(1, cols, dtype=torch.float64) if wide_normuon else torch.zeros(rows, 1, dtype=torch.float64)
+    elif second_moment in ("adamuon", "adamuon_rms"):
+        V = torch.zeros(rows, cols, dtype=torch.float64)
+    elif second_moment == "namo":
+        V = torch.zeros((), dtype=torch.float64)
     for G in grads:
-        B, U = momentum64(B, G.to(torch.float64), momentum, nesterov, momentum_form)
+        G = G.to(torch.float64)
+        B, U = momentum64(B, G, momentum, nesterov, momentum_form)
         if sign_momentum:
             U = torch.sign(U)
         M = U.reshape(rows, -1)
+        if second_moment == "namo":
+            V = beta2 * V + (1 - beta2) * G.square().sum()
+            alpha = torch.linalg.vector_norm(M) / (V.sqrt() + eps)
         step = torch.zeros_like(M)  # the update direction, lr aside
         for idx in piece_rows(rows, split_sizes):
             Q = newton_schulz64(M[idx], coefficients, steps)  # the orthogonalized piece, O above
-            if second_moment is not None:
-                stat = (Q**2).mean(dim=1, keepdim=True) if second_moment == "normuon" else Q**2
+            if second_moment == "namo":
+                Q = Q * alpha
+            elif second_moment == "normuon" and wide_normuon:
+                V = beta2 * V + (1 - beta2) * (Q**2).mean(dim=0, keepdim=True)
+                Q_hat = Q * V.clamp_min(eps).rsqrt()
+                Q = Q_hat * torch.linalg.matrix_norm(Q) / torch.linalg.matrix_norm(Q_hat).clamp_min(eps)
+            elif second_moment is not None:
+                per_output = second_moment in ("normuon", "normuon_rms")
+                stat = (Q**2).mean(dim=1, keepdim=True) if per_output else Q**2
                 V[idx] = beta2 * V[idx] + (1 - beta2) * stat
-                Q_hat = Q / (V[idx].sqrt() + eps)
-                Q = Q_hat * torch.linalg.matrix_norm(Q) / torch.linalg.matrix_norm(Q_hat)
+                if second_moment == "normuon":
+                    Q_hat = Q * V[idx].clamp_min(eps).rsqrt()
+                    Q = Q_hat * torch.linalg.matrix_norm(Q) / torch.linalg.matrix_norm(Q_hat).clamp_min(eps)
+                else:
+                    Q_hat = Q / (V[idx].sqrt() + eps)
+                    rescale = second_moment != "adamuon"
+                    Q = Q_hat * torch.linalg.matrix_norm(Q) / torch.linalg.matrix_norm(Q_hat) if rescale else Q_hat
             step[idx] = ADJUST[adjust](len(idx), M.shape[1]) * extra * Q
         Wm = W.reshape(rows, -1)
         if weight_decay_form == "decoupled":

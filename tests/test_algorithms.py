@@ -9,6 +9,7 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
+import inspect
 import io
 import textwrap
 from pathlib import Path
@@ -21,7 +22,8 @@ from test_cli import _cli, _routing_table
 from torch import nn
 
 from lightning_muon import Algorithm, Muon, MuonConfig, MuonModuleMixin, Rule, register_algorithm, route_parameters
-from lightning_muon.algorithms import algorithm_names, get_algorithm, orthogonalizes
+from lightning_muon.algorithms import StepContext, algorithm_names, get_algorithm, orthogonalizes
+from lightning_muon.hparams import BUILTIN_HPARAMS
 
 TESTS = Path(__file__).resolve().parent
 
@@ -59,8 +61,13 @@ class Tiny(nn.Module):
 
 
 def test_the_builtins_are_registered_in_order_and_muon_alone_orthogonalizes():
-    assert algorithm_names()[:4] == ("muon", "adamw", "lion", "adamw_schedulefree")
-    assert algorithm_names(orthogonal=False) == ("adamw", "lion", "adamw_schedulefree")
+    assert algorithm_names()[:5] == ("muon", "adamw", "lion", "adamw_schedulefree", "muon_hyperball")
+    assert algorithm_names(orthogonal=False) == ("adamw", "lion", "adamw_schedulefree", "laprop", "soap", "rekls")
+    # The hidden matrices' algorithms: Muon's family, and SOAP's, whose eigenbases are whole-matrix work too.
+    orthogonal = ("muon", "muon_hyperball", "adaptive_muon", "scion", "polargrad", "mop", "spel", "sinkhorn_muon")
+    assert algorithm_names(orthogonal=True) == orthogonal
+    assert algorithm_names(matrix=True) == (*orthogonal, "soap", "rekls")
+    assert algorithm_names(matrix=False) == ("adamw", "lion", "adamw_schedulefree", "laprop")
     assert [orthogonalizes(n) for n in ("muon", "adamw", "lion", "adamw_schedulefree")] == [True, False, False, False]
     assert not orthogonalizes({"params": []}) and not orthogonalizes("sgd")  # another optimizer's group
     with pytest.raises(ValueError, match=r"algorithm must be one of \('muon', .*\), got 'sgd' \(an algorithm of"):
@@ -259,3 +266,56 @@ def test_with_lr_moves_a_registered_algorithms_own_lr_and_leaves_hyperball_on_mu
     hyperball = MuonConfig(lr=0.02, matrix_optimizer="muon_hyperball").with_lr(0.01)
     assert "muon_hyperball" not in hyperball.algorithm_defaults  # no lr of its own: it steps at Muon's
     assert hyperball.optimizer.group_defaults("muon_hyperball")["lr"] == 0.01
+
+
+# ------------------------------------------------------------------ the step context and the flat keywords
+
+
+def test_a_step_sees_the_optimizer_only_through_its_step_context():
+    """``step_group`` gets the StepContext: state, settings, sharding, hooks, and none of Muon's own methods."""
+    seen = []
+
+    class _Probe(Algorithm):
+        name = "probe_context"
+        hparams = _Knobs
+
+        def step_group(self, ctx, group, params, grads):
+            seen.append(ctx)
+            ctx.state[params[0]]["calls"] = ctx.state[params[0]].get("calls", 0) + 1
+
+    register_algorithm(_Probe(), replace=True)
+    w = nn.Parameter(torch.ones(3))
+    opt = Muon([{"params": [w], "algorithm": "probe_context"}], step_memory_mb=8)
+    w.grad = torch.ones(3)
+    opt.step()
+    opt.step()
+    ctx = seen[0]
+    assert type(ctx) is StepContext and seen[1] is ctx  # one per optimizer
+    assert opt.state[w]["calls"] == 2 and ctx.config.step_memory_mb == 8 and ctx.sharding is None
+    assert not ctx.has_update_hooks and ctx.group_index(opt.param_groups[0]) == 0
+    for name in ("step", "param_groups", "add_param_group", "finite_checks", "attach_sharding"):
+        assert not hasattr(ctx, name), name
+
+
+def test_every_built_in_hyperparameter_is_a_muon_keyword_and_a_config_field_once():
+    """Flat keywords are made from the hparams dataclasses: each field, prefixed, with its default, in both."""
+    signature = inspect.signature(Muon)
+    fields = {f.name: f for f in dataclasses.fields(MuonConfig)}
+    seen = set()
+    for part in BUILTIN_HPARAMS.values():
+        for f in dataclasses.fields(part):
+            key = part.prefix + f.name
+            assert key not in seen, key
+            seen.add(key)
+            assert signature.parameters[key].default == f.default, key
+            assert fields[key].default == f.default, key
+    # Megatron-Core's names among them, and an algorithm's keys reach its groups.
+    assert {"adaptive_muon_moment2_method", "soap_shampoo_beta", "soap_precondition_frequency"} <= seen
+    w = nn.Parameter(torch.randn(4, 6))
+    config = MuonConfig(matrix_optimizer="soap", soap_shampoo_beta=0.9, soap_use_kl_shampoo=True, default_rules=True)
+    optimizer, _ = config.build(nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 4)))
+    soap = [g for g in optimizer.param_groups if g["algorithm"] == "soap"]
+    assert soap and all(g["shampoo_beta"] == 0.9 and g["use_kl_shampoo"] for g in soap)
+    assert Muon([w], adaptive_muon_beta2=0.9).config.hparams_of("adaptive_muon").beta2 == 0.9
+    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['soap_shampoo_bta'\]"):
+        Muon([w], soap_shampoo_bta=0.9)

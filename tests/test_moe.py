@@ -54,8 +54,10 @@ CONFIGS = {
 }
 VARIANTS = {
     "muon": {},
-    "normuon": dict(second_moment="normuon"),
-    "adamuon": dict(second_moment="adamuon"),
+    # Our forms: Emerging-Optimizers' keep one NorMuon statistic per output and one NAMO scale per
+    # expert for a split gate/up stack, where separate Linears would take their own.
+    "normuon": dict(second_moment="normuon_rms"),
+    "adamuon": dict(second_moment="adamuon_rms"),
     "cautious": dict(weight_decay_form="cautious"),
     "hyperball": dict(algorithm="muon_hyperball"),  # each expert's gate, up and down on its own sphere
     "hyperball-radius": dict(

@@ -30,6 +30,7 @@ from lightning_muon import (
     ScheduleFreeModeSwitch,
     build_optimizers,
 )
+from lightning_muon.algorithms.adamw_schedulefree import schedule_free_training
 from lightning_muon.callbacks import CheckpointChecks
 from lightning_muon.schedules import lr_multiplier
 
@@ -97,7 +98,7 @@ def test_steps_equal_schedulefree_adamw_step_for_step():
             optimizer.eval()
             reference.eval()
             _equal(ours, theirs, f"step {step}, eval mode")
-            assert not optimizer.schedule_free_training
+            assert not schedule_free_training(optimizer)
             optimizer.train()
             reference.train()
             _equal(ours, theirs, f"step {step}, back in train mode")
@@ -383,7 +384,7 @@ def test_validation_sees_the_averaged_weights_and_training_goes_on_at_the_traini
     torch.testing.assert_close(torch.stack(model.losses), torch.stack(losses), rtol=0, atol=0)
     # After fit the module holds the averaged weights.
     _assert_params_equal(_params(model), _params(reference), rtol=0, atol=0)
-    assert not trainer.optimizers[0].schedule_free_training
+    assert not schedule_free_training(trainer.optimizers[0])
 
 
 class StopAt(Callback):

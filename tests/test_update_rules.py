@@ -4,6 +4,7 @@ properties, state and argument errors."""
 
 from __future__ import annotations
 
+import copy
 import io
 import math
 
@@ -22,13 +23,18 @@ VARIANTS = {
     "sum": dict(momentum_form="sum"),
     "sum-plain": dict(momentum_form="sum", nesterov=False),
     "ema-plain": dict(nesterov=False),
-    "normuon": dict(second_moment="normuon"),
-    "adamuon": dict(second_moment="adamuon"),
-    "adamuon-sign": dict(second_moment="adamuon", sign_momentum=True),
+    "normuon": dict(second_moment="normuon_rms"),
+    "adamuon": dict(second_moment="adamuon_rms"),
+    "adamuon-sign": dict(second_moment="adamuon_rms", sign_momentum=True),
     "cautious": dict(weight_decay_form="cautious"),
-    "sum-normuon-cautious": dict(momentum_form="sum", second_moment="normuon", weight_decay_form="cautious"),
-    "normuon-adamw-scale": dict(second_moment="normuon", adjust="match_rms_adamw"),
-    "adamuon-plain-spectral": dict(second_moment="adamuon", nesterov=False, adjust="spectral_norm"),
+    "sum-normuon-cautious": dict(momentum_form="sum", second_moment="normuon_rms", weight_decay_form="cautious"),
+    "normuon-adamw-scale": dict(second_moment="normuon_rms", adjust="match_rms_adamw"),
+    "adamuon-plain-spectral": dict(second_moment="adamuon_rms", nesterov=False, adjust="spectral_norm"),
+    # Emerging-Optimizers' (Megatron-Core's adaptive_muon) forms
+    "eo-normuon": dict(second_moment="normuon", nesterov=False, adjust="spectral"),
+    "eo-adamuon": dict(second_moment="adamuon", nesterov=False, adjust="spectral"),
+    "eo-namo": dict(second_moment="namo", nesterov=False, adjust="spectral"),
+    "eo-namo-nesterov-sum": dict(second_moment="namo", momentum_form="sum"),
 }
 
 
@@ -57,8 +63,7 @@ def test_variant_matches_float64_formula(variant, shape):
     assert_close(opt.state[p]["momentum_buffer"], B_ref, atol=1e-12, rtol=0)
     if V_ref is not None:
         v = opt.state[p]["second_moment"]
-        expected_shape = p.shape if spec["second_moment"] == "adamuon" else (shape[0], 1)
-        assert v.shape == expected_shape
+        assert v.numel() == V_ref.numel()
         assert_close(v.reshape(V_ref.shape), V_ref, atol=1e-12, rtol=0)
     assert (W_ref - W0).abs().max() > 0.05  # the parameters moved
 
@@ -114,7 +119,7 @@ def test_grouped_split_views_follow_megatron_layout():
     assert torch.equal(target, t)
 
 
-@pytest.mark.parametrize("second_moment", ["normuon", "adamuon"])
+@pytest.mark.parametrize("second_moment", ["normuon_rms", "adamuon_rms", "normuon", "adamuon", "namo"])
 def test_batched_tensor_with_second_moment_equals_separate_matrices(second_moment):
     """A (3, 6, 10) expert tensor with batched=True steps like three separate (6, 10) matrices."""
     (W0,) = random_tensors([(3, 6, 10)], seed=5, dtype=torch.float64)
@@ -128,7 +133,10 @@ def test_batched_tensor_with_second_moment_equals_separate_matrices(second_momen
     run_steps(separate_opt, separate, [list(g.unbind(0)) for g in grads])
     assert_close(fused.detach(), torch.stack([p.detach() for p in separate]), atol=1e-12, rtol=0)
     v = fused_opt.state[fused]["second_moment"]
-    assert v.shape == ((3, 6, 10) if second_moment == "adamuon" else (3, 6, 1))
+    # (3, 6, 10): three wide 6 x 10 matrices; Emerging-Optimizers' NorMuon averages their rows
+    shapes = {"adamuon_rms": (3, 6, 10), "adamuon": (3, 6, 10), "namo": (3,), "normuon": (3, 1, 10)}
+    expected_shape = shapes.get(second_moment, (3, 6, 1))
+    assert v.shape == expected_shape
     expected = torch.stack([separate_opt.state[p]["second_moment"] for p in separate])
     assert_close(v, expected, atol=1e-12, rtol=0)
 
@@ -136,7 +144,7 @@ def test_batched_tensor_with_second_moment_equals_separate_matrices(second_momen
 def test_non_contiguous_parameter_with_cautious_decay_equals_contiguous():
     (W0,) = random_tensors([(12, 20)], seed=6, dtype=torch.float64)
     grads = [random_tensors([(12, 20)], seed=50 + t, dtype=torch.float64)[0] for t in range(4)]
-    hp = dict(lr=0.05, weight_decay=0.2, weight_decay_form="cautious", second_moment="normuon")
+    hp = dict(lr=0.05, weight_decay=0.2, weight_decay_form="cautious", second_moment="normuon_rms")
     base = nn.Parameter(W0.T.clone().contiguous())  # (20, 12)
     strided = nn.Parameter(torch.empty(12, 20, dtype=torch.float64).T)  # (20, 12), not contiguous
     with torch.no_grad():
@@ -150,7 +158,7 @@ def test_non_contiguous_parameter_with_cautious_decay_equals_contiguous():
 # -------------------------------------------------------------------- properties
 
 
-@pytest.mark.parametrize("second_moment", ["normuon", "adamuon"])
+@pytest.mark.parametrize("second_moment", ["normuon_rms", "adamuon_rms", "normuon"])
 def test_second_moment_keeps_plain_muon_update_norm(second_moment):
     """At every step the update's Frobenius norm is exactly plain Muon's: the lr carries over."""
     shape = (20, 36)
@@ -177,7 +185,7 @@ def test_normuon_equalizes_row_norms_on_its_first_step():
     (G,) = random_tensors([(16, 40)], seed=9, dtype=torch.float64)
     G = G * torch.logspace(0, 2, 16, dtype=torch.float64)[:, None]
     p = nn.Parameter(W0.clone())
-    run_steps(Muon([p], lr=0.1, second_moment="normuon"), [p], [[G]])
+    run_steps(Muon([p], lr=0.1, second_moment="normuon_rms"), [p], [[G]])
     rows = torch.linalg.vector_norm(p.detach() - W0, dim=1)
     assert_close(rows, rows.mean().expand_as(rows), atol=0, rtol=1e-6)
 
@@ -207,7 +215,7 @@ def test_zero_lr_step_changes_no_parameter(variant):
 
 
 def test_zero_gradient_gives_a_zero_update_with_second_moments():
-    for method in ("normuon", "adamuon"):
+    for method in ("normuon_rms", "adamuon_rms", "normuon", "adamuon", "namo"):
         p = nn.Parameter(torch.ones(4, 6, dtype=torch.float64))
         run_steps(Muon([p], lr=0.1, second_moment=method), [p], [[torch.zeros(4, 6, dtype=torch.float64)]])
         assert torch.equal(p.detach(), torch.ones(4, 6, dtype=torch.float64))
@@ -217,7 +225,7 @@ def test_update_observer_sees_the_pieces_as_applied():
     """``ortho`` handed to the observer is after the second moment: lr * adjust * ortho is the step."""
     (W0,) = random_tensors([(12, 30)], seed=12, dtype=torch.float64)
     p = nn.Parameter(W0.clone())
-    opt = Muon([{"params": [p], "split_sizes": [4, 8]}], lr=0.1, second_moment="adamuon")
+    opt = Muon([{"params": [p], "split_sizes": [4, 8]}], lr=0.1, second_moment="adamuon_rms")
     seen = []
     opt.register_update_hook(lambda group, params, updates, ortho: seen.append([o.clone() for o in ortho[0]]))
     run_steps(opt, [p], [random_tensors([(12, 30)], seed=13, dtype=torch.float64)])
@@ -241,10 +249,10 @@ def _train(net, opt, steps):
         opt.step()
 
 
-ALL_ON = dict(momentum_form="sum", second_moment="normuon", weight_decay_form="cautious", ns_method="gram")
+ALL_ON = dict(momentum_form="sum", second_moment="normuon_rms", weight_decay_form="cautious", ns_method="gram")
 
 
-@pytest.mark.parametrize("variant", [ALL_ON, dict(second_moment="adamuon", sign_momentum=True)], ids=["normuon", "ada"])
+@pytest.mark.parametrize("variant", [ALL_ON, dict(second_moment="adamuon_rms", sign_momentum=True)], ids=["normuon", "ada"])
 def test_state_dict_round_trip_resumes_exactly(variant):
     torch.manual_seed(0)
     net = _net()
@@ -292,7 +300,7 @@ def test_groups_from_an_older_checkpoint_get_the_new_knobs():
     ("kwargs", "match"),
     [
         ({"momentum_form": "nesterov"}, r"momentum_form must be one of \('ema', 'sum'\), got 'nesterov'"),
-        ({"second_moment": "adam"}, r"second_moment must be one of \(None, 'normuon', 'adamuon'\), got 'adam'"),
+        ({"second_moment": "adam"}, r"second_moment must be one of \(None, 'normuon', 'adamuon', 'namo', 'normuon_rms', 'adamuon_rms'\), got 'adam'"),
         ({"second_moment_beta2": 1.0}, r"second_moment_beta2 must be a finite number in \[0.0, 1.0\)"),
         ({"second_moment_eps": 0.0}, r"second_moment_eps must be a finite number in \(0.0"),
         ({"weight_decay_form": "l2"}, r"weight_decay_form must be one of \('decoupled', 'cautious'\)"),
@@ -312,3 +320,33 @@ def test_split_sizes_must_divide_dim_zero():
     with pytest.raises(ValueError, match=r"sum to 4, but dim 0 has size 10, not a multiple of it"):
         Muon([{"params": [W], "split_sizes": [2, 1, 1]}])
     Muon([{"params": [torch.zeros(12, 4, requires_grad=True)], "split_sizes": [2, 1, 1]}])  # 3 groups
+
+
+def test_a_group_saved_before_the_emerging_forms_steps_as_it_was_saved():
+    """A group of an earlier release (no ``second_moment_version``) keeps "normuon" meaning "normuon_rms";
+    a buffer that does not fit the form its group names is refused, naming the fix."""
+    w0 = torch.randn(4, 8, dtype=torch.float64)
+    grads = [torch.randn(4, 8, dtype=torch.float64) for _ in range(3)]
+    p = nn.Parameter(w0.clone())
+    opt = Muon([p], lr=0.1, second_moment="normuon_rms")
+    run_steps(opt, [p], [[grads[0]]])
+    saved = opt.state_dict()
+    assert saved["state"][0]["second_moment"].shape == (4, 1)  # per output
+    old = copy.deepcopy(saved)
+    old["param_groups"][0]["second_moment"] = "normuon"  # what the earlier release wrote for this form
+    del old["param_groups"][0]["second_moment_version"]
+    resumed = Muon([p], lr=0.1, second_moment="normuon")
+    resumed.load_state_dict(old)
+    assert resumed.param_groups[0]["second_moment"] == "normuon"  # the saved value, kept
+    run_steps(resumed, [p], [[g] for g in grads[1:]])
+    q = nn.Parameter(w0.clone())
+    run_steps(Muon([q], lr=0.1, second_moment="normuon_rms"), [q], [[g] for g in grads])
+    assert torch.equal(p.detach(), q.detach())
+    # The same buffer under a group that names Emerging-Optimizers' form (per column of a wide matrix).
+    mislabelled = copy.deepcopy(saved)
+    mislabelled["param_groups"][0]["second_moment"] = "normuon"
+    other = Muon([p], lr=0.1, second_moment="normuon")
+    other.load_state_dict(mislabelled)
+    p.grad = grads[0]
+    with pytest.raises(ValueError, match=r"second-moment buffer of shape \(4, 1\).*keeps \(1, 8\).*'normuon_rms'"):
+        other.step()

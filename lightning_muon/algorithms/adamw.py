@@ -22,7 +22,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_muon.algorithms.base import Algorithm, register_algorithm
+from lightning_muon.algorithms.base import Algorithm, StepContext, register_algorithm
 from lightning_muon.algorithms.checks import check_betas, check_number, normalize
 from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS, state_dtype
 from lightning_muon.functional import adamw_
@@ -78,17 +78,17 @@ class AdamW(Algorithm):
     def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
         momentum_readout(group)
 
-    def step_group(self, optimizer: Any, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
-        state = optimizer.state
+    def step_group(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
+        state = ctx.state
         for p in params:
             entry = state[p]
             if "exp_avg" not in entry:
                 entry["step"] = torch.tensor(0.0)
                 entry["exp_avg"] = torch.zeros_like(
-                    p, dtype=state_dtype(optimizer, "exp_avg_dtype", p), memory_format=torch.preserve_format
+                    p, dtype=state_dtype(ctx, "exp_avg_dtype", p), memory_format=torch.preserve_format
                 )
                 entry["exp_avg_sq"] = torch.zeros_like(
-                    p, dtype=state_dtype(optimizer, "exp_avg_sq_dtype", p), memory_format=torch.preserve_format
+                    p, dtype=state_dtype(ctx, "exp_avg_sq_dtype", p), memory_format=torch.preserve_format
                 )
         entries = [state[p] for p in params]
         beta1, beta2 = group["betas"]

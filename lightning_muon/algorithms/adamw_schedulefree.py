@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_muon.algorithms.adamw import Betas, momentum_readout
-from lightning_muon.algorithms.base import Algorithm, HparamsSource, register_algorithm
+from lightning_muon.algorithms.base import Algorithm, HparamsSource, StepContext, register_algorithm
 from lightning_muon.algorithms.checks import check_betas, check_int, check_number, normalize, with_placeholders
 from lightning_muon.algorithms.lion import with_adamw_fallbacks
 
@@ -33,6 +33,8 @@ __all__ = [
     "ScheduleFreeAdamW",
     "ScheduleFreeHparams",
     "check_schedule_free",
+    "schedule_free_groups",
+    "schedule_free_training",
     "schedulefree",
     "schedulefree_group",
 ]
@@ -110,7 +112,7 @@ class ScheduleFreeAdamW(Algorithm):
     def __init__(self) -> None:
         # Per optimizer: an AdamWScheduleFree over its schedule-free groups and state (not saved:
         # made again from the groups on use).
-        self._inner: weakref.WeakKeyDictionary[Optimizer, Optimizer] = weakref.WeakKeyDictionary()
+        self._inner: weakref.WeakKeyDictionary[StepContext, Optimizer] = weakref.WeakKeyDictionary()
 
     def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
         return check_schedule_free(values, where, prefix)
@@ -124,10 +126,10 @@ class ScheduleFreeAdamW(Algorithm):
             group.setdefault(key, value)
         momentum_readout(group)
 
-    def prepare_step(self, optimizer: Optimizer, groups: list[dict[str, Any]]) -> None:
+    def prepare_step(self, ctx: StepContext, groups: list[dict[str, Any]]) -> None:
         for group in groups:
             if not group["train_mode"]:
-                i = next(i for i, g in enumerate(optimizer.param_groups) if g is group)
+                i = ctx.group_index(group)
                 raise RuntimeError(
                     f"Muon: param group {i} ({group.get('name', SCHEDULE_FREE)!r}) is schedule-free and in eval mode "
                     "(its parameters hold the averaged weights); call optimizer.train() before step() and "
@@ -135,35 +137,45 @@ class ScheduleFreeAdamW(Algorithm):
                     "ScheduleFreeModeSwitch, which does both)"
                 )
 
-    def step_group(self, optimizer: Any, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
+    def step_group(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
         """Nothing per group: ``finish_step`` steps every schedule-free group at once."""
 
-    def finish_step(self, optimizer: Optimizer, groups: list[dict[str, Any]]) -> None:
+    def finish_step(self, ctx: StepContext, groups: list[dict[str, Any]]) -> None:
         # All groups at once, as AdamWScheduleFree steps its own: a group without gradients
         # still counts the step (its k and weight_sum advance).
-        self._optimizer(optimizer, groups).step()
+        self._optimizer(ctx, groups).step()
 
-    def train(self, optimizer: Optimizer, groups: list[dict[str, Any]]) -> None:
+    def train(self, ctx: StepContext, groups: list[dict[str, Any]]) -> None:
         """Parameters to ``y``, where gradients are taken (a no-op for groups already in train mode)."""
-        self._optimizer(optimizer, groups).train()
+        self._optimizer(ctx, groups).train()
 
-    def eval(self, optimizer: Optimizer, groups: list[dict[str, Any]]) -> None:
+    def eval(self, ctx: StepContext, groups: list[dict[str, Any]]) -> None:
         """Parameters to the averaged weights ``x`` (validation, testing, inference, saving)."""
-        self._optimizer(optimizer, groups).eval()
+        self._optimizer(ctx, groups).eval()
 
-    def _optimizer(self, optimizer: Optimizer, groups: list[dict[str, Any]]) -> Optimizer:
-        """``AdamWScheduleFree`` over ``groups`` and ``optimizer``'s state.
+    def _optimizer(self, ctx: StepContext, groups: list[dict[str, Any]]) -> Optimizer:
+        """``AdamWScheduleFree`` over ``groups`` and the optimizer's state (``ctx``).
 
         The groups and the state dict are the optimizer's own objects, rebound on every call
         (``load_state_dict`` replaces them), so what the package updates is what
         ``state_dict()`` saves.
         """
-        inner = self._inner.get(optimizer)
+        inner = self._inner.get(ctx)
         if inner is None:
-            inner = self._inner[optimizer] = schedulefree().AdamWScheduleFree([{"params": g["params"]} for g in groups])
+            inner = self._inner[ctx] = schedulefree().AdamWScheduleFree([{"params": g["params"]} for g in groups])
         inner.param_groups = groups
-        inner.state = optimizer.state
+        inner.state = ctx.state
         return inner
 
 
 SCHEDULE_FREE_ADAMW = register_algorithm(ScheduleFreeAdamW())
+
+
+def schedule_free_groups(optimizer: Optimizer) -> list[dict[str, Any]]:
+    """The ``"adamw_schedulefree"`` param groups of ``optimizer`` (empty when there are none)."""
+    return [g for g in optimizer.param_groups if g.get("algorithm") == SCHEDULE_FREE]
+
+
+def schedule_free_training(optimizer: Optimizer) -> bool:
+    """True when a schedule-free group of ``optimizer`` is in train mode (its parameters hold ``y``)."""
+    return any(g["train_mode"] for g in schedule_free_groups(optimizer))

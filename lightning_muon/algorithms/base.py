@@ -11,9 +11,12 @@ them, what a new group needs, and how to step a group::
         algorithm.check(group's own values)              # a bad value names the key
         algorithm.init_group(group, params)              # shapes, derived keys
     Muon.step()
-        algorithm.prepare_step(optimizer, groups)        # per algorithm in use, before the closure
-        algorithm.step_group(optimizer, group, params, grads)   # per group, in group order
-        algorithm.finish_step(optimizer, groups)         # per algorithm, after every group
+        algorithm.prepare_step(ctx, groups)              # per algorithm in use, before the closure
+        algorithm.step_group(ctx, group, params, grads)  # per group, in group order
+        algorithm.finish_step(ctx, groups)               # per algorithm, after every group
+
+``ctx`` is the optimizer's ``StepContext``: its state, its settings, the sharding and the
+update hooks, and nothing else of it.
 
 The built-in algorithms register themselves at the bottom of their modules (``muon``,
 ``adamw``, ``lion``, ``adamw_schedulefree``, ``muon_hyperball``); a user's algorithm, in a
@@ -40,15 +43,17 @@ from torch import Tensor
 from lightning_muon.algorithms.checks import HparamError
 
 if TYPE_CHECKING:
-    from torch.optim import Optimizer
+    from lightning_muon.distributed.protocol import Sharding
 
 __all__ = [
     "Algorithm",
     "HparamsSource",
+    "StepContext",
     "algorithm_names",
     "get_algorithm",
     "get_algorithm_of_kind",
     "orthogonalizes",
+    "per_matrix",
     "register_algorithm",
 ]
 
@@ -62,6 +67,52 @@ class HparamsSource(Protocol):
         ...
 
 
+class StepContext:
+    """What an algorithm's step may use of its optimizer: state, settings, sharding and update hooks.
+
+    ``Muon`` makes one for its lifetime and hands it to every ``Algorithm`` method that
+    steps; the algorithm sees nothing else of the optimizer. The attributes are read
+    through, so they follow ``load_state_dict`` (a new state dict) and ``attach_sharding``.
+    It is a weak-referenceable, hashable handle: an algorithm may key per-optimizer caches
+    by it (Schedule-Free keeps its inner optimizer so).
+    """
+
+    __slots__ = ("_optimizer", "__weakref__")
+
+    def __init__(self, optimizer: Any) -> None:
+        self._optimizer = optimizer
+
+    @property
+    def state(self) -> Any:
+        """The per-parameter state (``optimizer.state``: a ``defaultdict(dict)`` keyed by tensor), saved with it."""
+        return self._optimizer.state
+
+    @property
+    def config(self) -> Any:
+        """The optimizer's settings (``hparams.OptimizerConfig``): state dtypes, ``step_memory_mb``, ..."""
+        return self._optimizer.config
+
+    @property
+    def sharding(self) -> Sharding | None:
+        """The ``Sharding`` that splits per-matrix work across ranks, or None (one process)."""
+        return self._optimizer.sharding
+
+    @property
+    def has_update_hooks(self) -> bool:
+        """True when an update hook is registered (``Muon.register_update_hook``)."""
+        return self._optimizer.has_update_hooks
+
+    def run_update_hooks(
+        self, group: dict[str, Any], params: list[Tensor], updates: list[Tensor], ortho: list[list[Tensor]]
+    ) -> None:
+        """Run the update hooks on one round of a matrix group's updates (``Muon.run_update_hooks``)."""
+        self._optimizer.run_update_hooks(group, params, updates, ortho)
+
+    def group_index(self, group: dict[str, Any]) -> int:
+        """The position of ``group`` among the optimizer's param groups (for messages)."""
+        return next(i for i, g in enumerate(self._optimizer.param_groups) if g is group)
+
+
 # Keys a param group always has, whatever its algorithm: no hyperparameter may take them.
 RESERVED_KEYS = frozenset({"params", "algorithm", "name", "param_names"})
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -73,7 +124,7 @@ class Algorithm:
     Subclass it in a module of its own: set ``name`` and ``hparams``, write ``step_group``, and
     register an instance with ``register_algorithm`` (or decorate the class with it). The other
     methods have defaults that suit an elementwise rule; the built-ins override what they need.
-    The per-parameter state lives in ``optimizer.state[p]`` (saved and loaded with the
+    The per-parameter state lives in ``ctx.state[p]`` (saved and loaded with the
     optimizer), the hyperparameters in the group, so a checkpoint holds everything.
 
     Class attributes:
@@ -81,9 +132,12 @@ class Algorithm:
         hparams: a dataclass whose fields are the group keys this algorithm reads, with their
             defaults; constructing it checks values (raise ``ValueError`` in ``__post_init__``).
         orthogonalizes: True for Muon and its variants: their groups hold matrices whose
-            updates are orthogonalized (a ``Sharding`` splits that work across ranks), their
-            ``momentum`` is Muon's (the momentum warmup drives it) and the update hooks
-            observe them.
+            updates are orthogonalized, their ``momentum`` is Muon's (the momentum warmup
+            drives it) and the update hooks observe them.
+        per_matrix: True when the work is per whole matrix (Newton-Schulz, SOAP's
+            eigenbases): the algorithm takes the hidden matrices (``matrix_optimizer``, not
+            ``scalar_optimizer``) and a ``Sharding`` gives each matrix to one owner rank.
+            Every orthogonalizing algorithm is one.
         follows_falloff: False when the lr schedule applies only its warmup to these groups
             (Schedule-Free AdamW averages its iterates instead of decaying the lr).
         layout_options: group keys besides the hyperparameters (Muon: ``split_sizes``, ...).
@@ -91,13 +145,14 @@ class Algorithm:
             ``exp_avg_sq_dtype``, ``main_params_dtype``; ``state_dtypes``) this algorithm
             honours, or has no state for. ``Muon`` refuses a group of an algorithm when a
             setting it does not list is away from its default, so none is silently ignored;
-            an algorithm that lists one reads it from ``optimizer.config``
+            an algorithm that lists one reads it from ``ctx.config``
             (``state_dtypes.state_dtype``).
     """
 
     name: ClassVar[str] = ""
     hparams: ClassVar[type] = type(None)
     orthogonalizes: ClassVar[bool] = False
+    per_matrix: ClassVar[bool] = False
     follows_falloff: ClassVar[bool] = True
     layout_options: ClassVar[frozenset[str]] = frozenset()
     state_dtype_settings: ClassVar[frozenset[str]] = frozenset()
@@ -142,24 +197,29 @@ class Algorithm:
     def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
         """Check ``params`` against the group and add derived keys (in place); called once per new group."""
 
+    def upgrade_group(self, group: dict[str, Any]) -> None:
+        """A group loaded from a checkpoint (in place), before the keys it lacks take their defaults.
+
+        An algorithm whose keys changed meaning marks a group saved before that here, so that
+        it steps as it was saved (Muon's ``second_moment_version``).
+        """
+
     # ------------------------------------------------------------------ steps
 
-    def prepare_step(self, optimizer: Optimizer, groups: list[dict[str, Any]]) -> None:
+    def prepare_step(self, ctx: StepContext, groups: list[dict[str, Any]]) -> None:
         """Before the step's closure runs, once per step for this algorithm's ``groups`` (all of them)."""
 
-    def step_group(
-        self, optimizer: Optimizer, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]
-    ) -> None:
+    def step_group(self, ctx: StepContext, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
         """Update ``params`` (those of ``group`` with a gradient, this rank's to step) from ``grads``."""
         raise NotImplementedError(f"algorithm {self.name!r} has no step_group")
 
-    def finish_step(self, optimizer: Optimizer, groups: list[dict[str, Any]]) -> None:
+    def finish_step(self, ctx: StepContext, groups: list[dict[str, Any]]) -> None:
         """After every group was stepped, once per step for this algorithm's ``groups``."""
 
-    def train(self, optimizer: Optimizer, groups: list[dict[str, Any]]) -> None:
+    def train(self, ctx: StepContext, groups: list[dict[str, Any]]) -> None:
         """``Muon.train()``: the groups' parameters to their training values (a no-op unless overridden)."""
 
-    def eval(self, optimizer: Optimizer, groups: list[dict[str, Any]]) -> None:
+    def eval(self, ctx: StepContext, groups: list[dict[str, Any]]) -> None:
         """``Muon.eval()``: the groups' parameters to their evaluation values (a no-op unless overridden)."""
 
     def __repr__(self) -> str:
@@ -240,8 +300,8 @@ def _import(path: str) -> Algorithm:
     raise ValueError(f"algorithm {path!r} is {found!r}, not an Algorithm subclass or instance")
 
 
-def get_algorithm_of_kind(name: str, orthogonal: bool, what: str) -> Algorithm:
-    """``get_algorithm(name)`` for a role that needs an algorithm that does (not) orthogonalize.
+def get_algorithm_of_kind(name: str, matrix: bool, what: str) -> Algorithm:
+    """``get_algorithm(name)`` for a role that needs an algorithm of (not of) whole matrices (``per_matrix``).
 
     ``what`` names the setting in the error (``"scalar_algorithm"``), which lists the choices.
     """
@@ -249,14 +309,32 @@ def get_algorithm_of_kind(name: str, orthogonal: bool, what: str) -> Algorithm:
         algorithm = get_algorithm(name)
     except ValueError:
         algorithm = None
-    if algorithm is None or algorithm.orthogonalizes != orthogonal:
-        raise ValueError(f"{what} must be one of {algorithm_names(orthogonal=orthogonal)}, got {name!r}")
+    if algorithm is None or algorithm.per_matrix != matrix:
+        raise ValueError(f"{what} must be one of {algorithm_names(matrix=matrix)}, got {name!r}")
     return algorithm
 
 
-def algorithm_names(orthogonal: bool | None = None) -> tuple[str, ...]:
-    """Registered names in registration order; ``orthogonal`` keeps only those that (do not) orthogonalize."""
-    return tuple(n for n, a in _REGISTRY.items() if orthogonal is None or a.orthogonalizes == orthogonal)
+def algorithm_names(orthogonal: bool | None = None, matrix: bool | None = None) -> tuple[str, ...]:
+    """Registered names in registration order; ``orthogonal`` keeps only those that (do not) orthogonalize,
+    ``matrix`` those that are (not) ``per_matrix``."""
+    return tuple(
+        n
+        for n, a in _REGISTRY.items()
+        if (orthogonal is None or a.orthogonalizes == orthogonal) and (matrix is None or a.per_matrix == matrix)
+    )
+
+
+def per_matrix(group: Mapping[str, Any] | str) -> bool:
+    """True when a group's algorithm (or the algorithm of that name) works per whole matrix (``Algorithm.per_matrix``).
+
+    A ``Sharding`` gives those groups' matrices to owner ranks. False for a group without an
+    algorithm or an unknown name.
+    """
+    name = group if isinstance(group, str) else group.get("algorithm")
+    algorithm = _REGISTRY.get(name) if isinstance(name, str) else None
+    if algorithm is None and isinstance(name, str) and "." in name:
+        algorithm = get_algorithm(name)
+    return algorithm is not None and algorithm.per_matrix
 
 
 def orthogonalizes(group: Mapping[str, Any] | str) -> bool:

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 
 from lightning_muon.algorithms.adamw import Betas, momentum_readout
-from lightning_muon.algorithms.base import Algorithm, HparamsSource, register_algorithm
+from lightning_muon.algorithms.base import Algorithm, HparamsSource, StepContext, register_algorithm
 from lightning_muon.algorithms.checks import check_betas, check_number, normalize, with_placeholders
 from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS, state_dtype
 from lightning_muon.functional import lion_
@@ -78,11 +78,11 @@ class Lion(Algorithm):
     def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
         momentum_readout(group)
 
-    def step_group(self, optimizer: Any, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
-        state = optimizer.state
+    def step_group(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
+        state = ctx.state
         for p in params:
             if "exp_avg" not in state[p]:
-                dtype = state_dtype(optimizer, "exp_avg_dtype", p)
+                dtype = state_dtype(ctx, "exp_avg_dtype", p)
                 state[p]["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
         beta1, beta2 = group["betas"]
         momentum_readout(group)

@@ -8,11 +8,12 @@ For a matrix ``W`` with gradient ``G`` (torch.optim.Muon's form, the defaults)::
     W <- W (1 - lr wd)                           # decoupled decay, base lr
     W <- W - lr * adjust(rows, cols) * extra_scale_factor * O
 
-The step runs in stages, each one place to extend: the momentum (``muon_momentum_``), the
-orthogonalization (Newton-Schulz here, or across ranks by an attached ``Sharding``), a
-second moment (NorMuon, AdaMuon), the update hooks (``Muon.register_update_hook``) and the
-weight update (``apply_update``), which a variant overrides with its own pre- and
-post-update work (``muon_hyperball``). The math lives in ``functional``.
+The step runs in stages, each one place to extend (``MuonAlgorithm``): the momentum
+(``muon_momentum_``), the orthogonalization (Newton-Schulz here, or across ranks by an
+attached ``Sharding``), a second moment (NorMuon, AdaMuon, NAMO), the update hooks
+(``Muon.register_update_hook``), the weight update (``apply_update``) and what follows it
+(``after_update``), which variants override (``muon_hyperball``, ``scion``, ``spel``, ...).
+The math lives in ``functional``.
 
 References:
     Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024.
@@ -32,7 +33,7 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_muon.algorithms.base import Algorithm, HparamsSource, register_algorithm
+from lightning_muon.algorithms.base import Algorithm, HparamsSource, StepContext, register_algorithm
 from lightning_muon.algorithms.checks import HparamError, check_bool, check_choice, check_number, normalize
 from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS, state_dtype
 from lightning_muon.distributed.tp_math import TP_MODES
@@ -42,11 +43,15 @@ from lightning_muon.functional import (
     MOMENTUM_FORMS,
     SECOND_MOMENTS,
     WEIGHT_DECAY_FORMS,
+    adjust_lr_ratio,
     muon_apply_,
     muon_momentum_,
     muon_orthogonalize,
     muon_second_moment_,
+    namo_norms,
+    namo_scale_,
     second_moment_buffer,
+    second_moment_shape,
 )
 from lightning_muon.layout import LAYOUT_KEYS, MatrixLayout, layout_of
 from lightning_muon.newton_schulz import (
@@ -64,6 +69,7 @@ __all__ = [
     "MUON",
     "MuonAlgorithm",
     "MuonHparams",
+    "MuonRound",
     "NSDtype",
     "check_muon",
     "check_muon_params",
@@ -71,11 +77,15 @@ __all__ = [
 ]
 
 AdjustLR = Literal["original", "match_rms_adamw", "spectral", "spectral_norm", "none", "shape_scaling", "unit_rms_norm"]
-CoefficientName = Literal["polar_express", "polar_express_paper", "keller", "you", "cubic", "cans", "deepseekv4"]
+CoefficientName = Literal[
+    "polar_express", "polar_express_paper", "polar_express_megatron", "keller", "you", "cubic", "cans", "deepseekv4"
+]
 NSDtype = Literal["float32", "bfloat16", "float64", "float16", "fp32", "bf16"]
 
-# Options of a Muon group besides its hyperparameters: the layout of its tensors.
-MUON_LAYOUT = frozenset({*LAYOUT_KEYS, "split_parts"})
+# Options of a Muon group besides its hyperparameters: the layout of its tensors, and the
+# forms its second_moment names (1: "normuon" and "adamuon" meant today's "_rms" forms).
+MUON_LAYOUT = frozenset({*LAYOUT_KEYS, "split_parts", "second_moment_version"})
+SECOND_MOMENT_VERSION = 2
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -102,8 +112,10 @@ class MuonHparams:
     """Multiplies the adjusted Muon lr; > 0."""
     momentum_form: Literal["ema", "sum"] = "ema"
     """"ema" (B <- mu B + (1 - mu) G) or "sum" (B <- mu B + G)."""
-    second_moment: Literal["normuon", "adamuon"] | None = None
-    """None, "normuon" (per-row second moment, arXiv 2510.05491) or "adamuon" (per element, arXiv 2507.11005)."""
+    second_moment: Literal["normuon", "adamuon", "namo", "normuon_rms", "adamuon_rms"] | None = None
+    """None, or a second moment of the orthogonalized update: Emerging-Optimizers' "normuon" (per row or
+    column, arXiv 2510.05491), "adamuon" (per element, arXiv 2507.11005) or "namo" (per matrix, arXiv
+    2602.17080), or ours that keep plain Muon's RMS, "normuon_rms" (per output) and "adamuon_rms"."""
     second_moment_beta2: float = 0.95
     """Decay of the second moment, in [0, 1)."""
     second_moment_eps: float = 1e-8
@@ -221,18 +233,49 @@ def check_muon_params(group: dict[str, Any], params: list[Tensor], where: str) -
         layout.check(p, label)
 
 
+@dataclass(eq=False)
+class MuonRound:
+    """One round of a Muon group's step (``MuonAlgorithm.step_round``): what its stages read and write.
+
+    ``params``, ``grads`` and ``bufs`` (the momentum buffers) are the round's, in group
+    order; ``updates`` (what Newton-Schulz is fed) and ``ortho`` (per parameter its
+    orthogonalized pieces, ``MatrixLayout.views``) are filled by the stages; ``extras`` carries
+    what a variant's stages hand each other (NAMO's norms).
+    """
+
+    params: list[Tensor]
+    grads: list[Tensor]
+    bufs: list[Tensor]
+    cap: int | None = None
+    multi_shapes: frozenset[tuple[int, int]] = frozenset()
+    updates: list[Tensor] = dataclasses.field(default_factory=list)
+    ortho: list[list[Tensor]] = dataclasses.field(default_factory=list)
+    extras: dict[str, Any] = dataclasses.field(default_factory=dict)
+
+
 class MuonAlgorithm(Algorithm):
     """Muon: momentum, orthogonalization, an optional second moment, and the update scaled by shape.
 
-    A variant subclasses it and overrides ``apply_update`` (the weight update, where NVIDIA's
-    Emerging-Optimizers put their pre- and post-update hooks) and extends ``hparams``,
-    ``check`` and ``group_defaults`` with its own keys; everything before the update (and the
-    sharding of Newton-Schulz across ranks) it inherits.
+    A round of a group's step runs these stages (``step_round``), each a method a variant
+    overrides without copying the rest (buffer donation, rounds and sharding stay here)::
+
+        momentum             grads -> updates (EMA or sum, Nesterov; ``momentum_options``)
+        before_orthogonalize what needs the updates whole before Newton-Schulz may use them up (NAMO)
+        orthogonalize        updates -> ortho (``ns_options``; a sharding across ranks)
+        normalize            ortho -> ortho (a second moment)
+        apply_update         the weights from ortho (decay, then ``lr * scale * O``)
+        after_update         the weights after the update (a projection, a renormalization)
+
+    Variants extend ``hparams``, ``check`` and ``group_defaults`` with their own keys;
+    one with keys of other names (Emerging-Optimizers') maps them in ``ns_options`` and
+    ``momentum_options``. ``keeps_updates`` says a later stage reads ``round.updates``, which
+    Newton-Schulz must then not overwrite.
     """
 
     name = "muon"
     hparams = MuonHparams
     orthogonalizes = True
+    per_matrix = True
     layout_options = MUON_LAYOUT
     state_dtype_settings = frozenset(STATE_SETTINGS)
 
@@ -245,32 +288,78 @@ class MuonAlgorithm(Algorithm):
             "split_sizes": None,
             "batched": False,
             "transposed": False,
+            "second_moment_version": SECOND_MOMENT_VERSION,
         }
+
+    def upgrade_group(self, group: dict[str, Any]) -> None:
+        # Saved by a release before Emerging-Optimizers' forms took the names "normuon" and
+        # "adamuon": the group keeps its values and steps as it did (``second_moment_method``).
+        group.setdefault("second_moment_version", 1)
 
     def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
         resolve_split_parts(group, params, where)
         check_muon_params(group, params, where)
 
-    def step_group(self, optimizer: Any, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
-        state = optimizer.state
+    # ------------------------------------------------------------------ what the stages read
+
+    def ns_options(self, group: dict) -> dict[str, Any]:
+        """``muon_orthogonalize``'s Newton-Schulz keywords for this group."""
+        return {
+            "ns_steps": group["ns_steps"],
+            "ns_coefficients": group["ns_coefficients"],
+            "ns_dtype": group["ns_dtype"],
+            "ns_method": group["ns_method"],
+        }
+
+    def momentum_options(self, group: dict) -> tuple[float, bool, str]:
+        """``(momentum, nesterov, momentum_form)`` of this group."""
+        return group["momentum"], group["nesterov"], group["momentum_form"]
+
+    def second_moment_method(self, group: dict) -> str | None:
+        """The group's second moment (``SECOND_MOMENTS``), or None; its decay and eps: ``second_moment_options``.
+
+        A group saved before "normuon" and "adamuon" became Emerging-Optimizers' forms
+        (``second_moment_version`` 1) steps with the forms it was saved with, now "_rms".
+        """
+        method = group["second_moment"]
+        if method in ("normuon", "adamuon") and group.get("second_moment_version", SECOND_MOMENT_VERSION) < 2:
+            return method + "_rms"
+        return method
+
+    def second_moment_options(self, group: dict) -> tuple[float, float]:
+        """``(beta2, eps)`` of the group's second moment."""
+        return group["second_moment_beta2"], group["second_moment_eps"]
+
+    def update_scale(self, group: dict, fan_out: int, fan_in: int) -> float:
+        """The factor on a ``fan_out x fan_in`` orthogonalized piece before the lr, as the update hooks see it."""
+        return adjust_lr_ratio(group["adjust_lr"], fan_out, fan_in, group["extra_scale_factor"])
+
+    def keeps_updates(self, group: dict) -> bool:
+        """True when a stage after Newton-Schulz reads ``round.updates`` (no buffer donation then)."""
+        return False
+
+    # ------------------------------------------------------------------ the step
+
+    def step_group(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
+        state = ctx.state
         bufs = []
         for p in params:
             entry = state[p]
             if "momentum_buffer" not in entry:
-                dtype = state_dtype(optimizer, "exp_avg_dtype", p)  # exp_avg_dtype: stored narrower
+                dtype = state_dtype(ctx, "exp_avg_dtype", p)  # exp_avg_dtype: stored narrower
                 entry["momentum_buffer"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
             bufs.append(entry["momentum_buffer"])
         # In rounds that fit the step's memory cap (``step_memory``): each round makes its
         # updates, orthogonalizes them and updates its weights before the next one starts.
-        cap = step_memory_bytes(optimizer.config.step_memory_mb, params[0].device)
-        sharding = optimizer.sharding
+        cap = step_memory_bytes(ctx.config.step_memory_mb, params[0].device)
+        sharding = ctx.sharding
         # Who orthogonalizes each parameter (None: this rank, every one it steps).
         owners = sharding.round_owners(group, params) if sharding is not None else None
         multi = self.multi_shapes(group, params, owners, None if sharding is None else sharding.rank)
         world = 1 if sharding is None else sharding.world_size
         for idx in self.rounds(group, params, cap, owners, world):
-            round_params, round_grads = [params[i] for i in idx], [grads[i] for i in idx]
-            self.step_round(optimizer, group, round_params, round_grads, [bufs[i] for i in idx], cap, multi)
+            rnd = MuonRound([params[i] for i in idx], [grads[i] for i in idx], [bufs[i] for i in idx], cap, multi)
+            self.step_round(ctx, group, rnd)
 
     def multi_shapes(
         self, group: dict, params: list[Tensor], owners: list[int | None] | None, rank: int | None
@@ -304,7 +393,7 @@ class MuonAlgorithm(Algorithm):
         if cap is None or len(params) == 1:
             return [list(range(len(params)))]
         layout = layout_of(group)
-        ns_dtype = check_ns_dtype(group["ns_dtype"])
+        ns_dtype = check_ns_dtype(self.ns_options(group)["ns_dtype"])
         costs, kinds = [], []
         for p in params:
             work = ns_dtype if ns_dtype is not None else torch.promote_types(p.dtype, torch.float32)
@@ -312,98 +401,135 @@ class MuonAlgorithm(Algorithm):
             kinds.append((tuple(layout.piece_shapes(tuple(p.shape))), str(p.dtype)))
         return plan_rounds(costs, kinds, cap, owners, world)
 
-    def step_round(
-        self,
-        optimizer: Any,
-        group: dict,
-        params: list[Tensor],
-        grads: list[Tensor],
-        bufs: list[Tensor],
-        cap: int | None = None,
-        multi_shapes: frozenset[tuple[int, int]] = frozenset(),
-    ) -> None:
-        """One round of the group's step: momentum, Newton-Schulz, second moment, hooks and the weight update."""
-        state, sharding = optimizer.state, optimizer.sharding
-        # Without a hook or a sharding to hand the momentum to, the Nesterov update is a
-        # temporary that Newton-Schulz may use up, made in the dtype ``donated_dtypes`` names
-        # (the cast folded into the momentum kernel). Splits and batches keep theirs: their
-        # pieces are cut and copied first.
-        hooks = optimizer.has_update_hooks
-        donate = group["nesterov"] and not hooks and sharding is None
+    def step_round(self, ctx: StepContext, group: dict, rnd: MuonRound) -> None:
+        """One round of the group's step: the stages in order (class docstring)."""
+        sharding = ctx.sharding
+        # Without a hook, a sharding or a later stage to hand the momentum to, the Nesterov
+        # update is a temporary that Newton-Schulz may use up, made in the dtype
+        # ``donated_dtypes`` names (the cast folded into the momentum kernel). Splits and
+        # batches keep theirs: their pieces are cut and copied first.
+        hooks = ctx.has_update_hooks
+        _, nesterov, _ = self.momentum_options(group)
+        donate = nesterov and not hooks and sharding is None and not self.keeps_updates(group)
         out_dtypes = None
         layout = layout_of(group)
         if donate and layout.split_sizes is None and not layout.batched:
-            flat = [g.reshape(g.shape[0], -1) for g in grads]  # the matrices Newton-Schulz will see
-            out_dtypes = donated_dtypes(flat, group["ns_dtype"], group["ns_method"], multi_shapes)
-        updates = muon_momentum_(
-            grads, bufs, group["momentum"], group["nesterov"], group["momentum_form"], out_dtypes=out_dtypes
-        )
-        if group["sign_momentum"]:
-            updates = list(torch._foreach_sign(updates))
-        ortho = self.orthogonalize(
-            sharding, group, updates, params, donate=donate, max_stack_bytes=cap, multi_shapes=multi_shapes
-        )
-        if group["second_moment"] is not None:
-            ortho = self.second_moment(state, group, params, ortho, optimizer=optimizer)
+            flat = [g.reshape(g.shape[0], -1) for g in rnd.grads]  # the matrices Newton-Schulz will see
+            ns = self.ns_options(group)
+            out_dtypes = donated_dtypes(flat, ns["ns_dtype"], ns["ns_method"], rnd.multi_shapes)
+        rnd.updates = self.momentum(ctx, group, rnd, out_dtypes)
+        self.before_orthogonalize(ctx, group, rnd)
+        observed = list(rnd.updates) if hooks else None  # the hooks' view (no hooks: no donation either)
+        rnd.ortho = self.orthogonalize(ctx, group, rnd, donate=donate)
+        rnd.ortho = self.normalize(ctx, group, rnd)
         # A sharding that holds the full matrices only on owner ranks runs the hooks itself.
-        if hooks and (sharding is None or not sharding.observes_updates):
-            optimizer.run_update_hooks(group, params, updates, ortho)
-        self.apply_update(optimizer, group, params, ortho)
+        if observed is not None and (sharding is None or not sharding.observes_updates):
+            ctx.run_update_hooks(group, rnd.params, observed, rnd.ortho)
+        del observed
+        self.apply_update(ctx, group, rnd)
+        self.after_update(ctx, group, rnd)
 
-    def orthogonalize(
-        self,
-        sharding: Any,
-        group: dict,
-        updates: list[Tensor],
-        params: list[Tensor],
-        donate: bool = False,
-        max_stack_bytes: int | None = None,
-        multi_shapes: frozenset[tuple[int, int]] = frozenset(),
-    ) -> list[list[Tensor]]:
+    # ------------------------------------------------------------------ the stages
+
+    def momentum(
+        self, ctx: StepContext, group: dict, rnd: MuonRound, out_dtypes: list[torch.dtype] | None = None
+    ) -> list[Tensor]:
+        """The updates Newton-Schulz is fed, from the gradients; the momentum buffers advance in place."""
+        momentum, nesterov, form = self.momentum_options(group)
+        updates = muon_momentum_(rnd.grads, rnd.bufs, momentum, nesterov, form, out_dtypes=out_dtypes)
+        if group.get("sign_momentum"):
+            updates = list(torch._foreach_sign(updates))
+        return updates
+
+    def before_orthogonalize(self, ctx: StepContext, group: dict, rnd: MuonRound) -> None:
+        """What must read the updates before Newton-Schulz may use them up: NAMO's norms (``rnd.extras``)."""
+        if self.second_moment_method(group) != "namo":
+            return
+        layout = layout_of(group)
+        sharding = ctx.sharding
+        local = sharding.local_shard if sharding is not None else (lambda t: t)
+        sums = namo_norms(rnd.grads, rnd.updates, layout, local)  # (K, 2) this rank's part
+        if sharding is not None and not layout.batched:
+            sums = sharding.reduce_matrix_sums(rnd.params, sums)  # whole matrices
+        rnd.extras["namo"] = sums
+
+    def orthogonalize(self, ctx: StepContext, group: dict, rnd: MuonRound, donate: bool = False) -> list[list[Tensor]]:
         """Per update, its orthogonalized pieces (``MatrixLayout.views``); a sharding does it across ranks."""
+        return self.orthogonalize_tensors(ctx, group, rnd.params, rnd.updates, rnd.cap, rnd.multi_shapes, donate)
+
+    def orthogonalize_tensors(
+        self,
+        ctx: StepContext,
+        group: dict,
+        params: list[Tensor],
+        tensors: list[Tensor],
+        cap: int | None = None,
+        multi_shapes: frozenset[tuple[int, int]] = frozenset(),
+        donate: bool = False,
+        ns_method: Any = None,
+        observe: bool = True,
+    ) -> list[list[Tensor]]:
+        """``tensors`` (one per parameter of ``params``) orthogonalized with the group's settings, across ranks too.
+
+        The primitive of ``orthogonalize``, also for a stage that orthogonalizes something else
+        (a weight projected back onto its manifold; ``observe=False`` then keeps the update
+        hooks out) or maps whole matrices (``ns_method``: a ``newton_schulz.MatrixMap``): a
+        sharding gathers each whole matrix to its owner and returns this rank's part of the
+        result. A DTensor result (FSDP2) is this rank's rows of it.
+        """
         kwargs = dict(
             layout=layout_of(group),
-            ns_steps=group["ns_steps"],
-            ns_coefficients=group["ns_coefficients"],
-            ns_dtype=group["ns_dtype"],
-            ns_method=group["ns_method"],
-            max_stack_bytes=max_stack_bytes,
+            **self.ns_options(group),
+            max_stack_bytes=cap,
             multi_shapes=multi_shapes,
         )
+        if ns_method is not None:
+            kwargs["ns_method"] = ns_method
+        sharding = ctx.sharding
         if sharding is not None:
-            return sharding.orthogonalize(params, updates, **kwargs)
+            if observe:
+                return sharding.orthogonalize(params, tensors, **kwargs)
+            with sharding.unobserved():
+                return sharding.orthogonalize(params, tensors, **kwargs)
         # Pieces stay in Newton-Schulz's dtype: muon_apply_ adds them into the parameters in one pass.
-        return muon_orthogonalize(updates, **kwargs, keep_work_dtype=True, donate=donate)
+        return muon_orthogonalize(tensors, **kwargs, keep_work_dtype=True, donate=donate)
 
-    def second_moment(
-        self, state: Any, group: dict, params: list[Tensor], ortho: list[list[Tensor]], optimizer: Any = None
-    ) -> list:
-        """NorMuon / AdaMuon normalization; the buffer lives in ``state[p]["second_moment"]``.
+    def normalize(self, ctx: StepContext, group: dict, rnd: MuonRound) -> list[list[Tensor]]:
+        """NorMuon / AdaMuon / NAMO normalization of ``rnd.ortho``; the buffer lives in ``state[p]["second_moment"]``.
 
-        It is stored in ``optimizer.config.exp_avg_sq_dtype`` (``state_dtypes``; without an
-        ``optimizer``, in the parameter's dtype) and computed in float32 at least.
+        It is stored in ``ctx.config.exp_avg_sq_dtype`` (``state_dtypes``) and computed in
+        float32 at least.
         """
-        method, buffers = group["second_moment"], []
-        for p in params:
-            entry = state[p]
+        method = self.second_moment_method(group)
+        if method is None:
+            return rnd.ortho
+        layout = layout_of(group)
+        buffers = []
+        for p in rnd.params:
+            entry = ctx.state[p]
             if "second_moment" not in entry:
-                dtype = state_dtype(optimizer, "exp_avg_sq_dtype", p)
-                entry["second_moment"] = second_moment_buffer(p, method, layout_of(group), dtype=dtype)
-            buffers.append(entry["second_moment"])
-        return muon_second_moment_(
-            ortho,
-            buffers,
-            layout=layout_of(group),
-            method=method,
-            beta2=group["second_moment_beta2"],
-            eps=group["second_moment_eps"],
-        )
+                dtype = state_dtype(ctx, "exp_avg_sq_dtype", p)
+                entry["second_moment"] = second_moment_buffer(p, method, layout, dtype=dtype)
+            buffer = entry["second_moment"]
+            expected = second_moment_shape(p.shape, method, layout)
+            if tuple(buffer.shape) != expected:
+                raise ValueError(
+                    f"param group {ctx.group_index(group)} ({group.get('name', group['algorithm'])!r}): a parameter of "
+                    f"shape {tuple(p.shape)} has a second-moment buffer of shape {tuple(buffer.shape)} in its state, "
+                    f"where second_moment={method!r} keeps {expected}: it was made for another form (one per output "
+                    "is second_moment='normuon_rms')"
+                )
+            buffers.append(buffer)
+        beta2, eps = self.second_moment_options(group)
+        if method == "namo":
+            return namo_scale_(rnd.ortho, buffers, rnd.extras.pop("namo"), beta2=beta2, eps=eps, batched=layout.batched)
+        return muon_second_moment_(rnd.ortho, buffers, layout=layout, method=method, beta2=beta2, eps=eps)
 
-    def apply_update(self, optimizer: Any, group: dict, params: list[Tensor], ortho: list[list[Tensor]]) -> None:
+    def apply_update(self, ctx: StepContext, group: dict, rnd: MuonRound) -> None:
         """The weight update from the orthogonalized pieces: decay, then ``lr * adjust(shape) * O``."""
         muon_apply_(
-            params,
-            ortho,
+            rnd.params,
+            rnd.ortho,
             layout=layout_of(group),
             lr=group["lr"],
             weight_decay=group["weight_decay"],
@@ -411,6 +537,9 @@ class MuonAlgorithm(Algorithm):
             extra_scale_factor=group["extra_scale_factor"],
             weight_decay_form=group["weight_decay_form"],
         )
+
+    def after_update(self, ctx: StepContext, group: dict, rnd: MuonRound) -> None:
+        """After the weights moved (a no-op here): a variant projects them back onto its set."""
 
 
 MUON = register_algorithm(MuonAlgorithm())

@@ -45,9 +45,9 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_muon.algorithms.base import HparamsSource, register_algorithm
+from lightning_muon.algorithms.base import HparamsSource, StepContext, register_algorithm
 from lightning_muon.algorithms.checks import HparamError, check_number, normalize
-from lightning_muon.algorithms.muon import MUON, MuonAlgorithm
+from lightning_muon.algorithms.muon import MUON, MuonAlgorithm, MuonRound
 from lightning_muon.algorithms.state_dtypes import MAIN_PARAM
 from lightning_muon.layout import MatrixLayout, layout_of
 
@@ -108,30 +108,31 @@ class MuonHyperball(MuonAlgorithm):
                     "it to 'muon'"
                 )
 
-    def step_group(self, optimizer: Any, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
+    def step_group(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
         radius = group["hyperball_radius"]
         if radius is not None:
             # Onto the sphere before the first step: a parameter without state has not stepped yet
             # (a resumed one has, and is on it already; rescaling it again would only round it).
-            layout, local = layout_of(group), _local_view(optimizer)
+            layout, local = layout_of(group), _local_view(ctx)
             for p in params:
-                if set(optimizer.state[p]) - {MAIN_PARAM}:  # a master copy alone is made before the first step
+                if set(ctx.state[p]) - {MAIN_PARAM}:  # a master copy alone is made before the first step
                     continue
                 if layout.batched:  # every matrix of the stack to its own sphere (whole experts are local)
                     for slot in _updated_slots(local(p), layout):
                         slot.mul_(radius / _per_matrix_sq(slot).sqrt().clamp_min(group["hyperball_eps"]).view(_b(slot)))
                 else:
                     p.mul_(radius / max(_whole_norm(p), group["hyperball_eps"]))
-        super().step_group(optimizer, group, params, grads)
+        super().step_group(ctx, group, params, grads)
 
-    def apply_update(self, optimizer: Any, group: dict, params: list[Tensor], ortho: list[list[Tensor]]) -> None:
+    def apply_update(self, ctx: StepContext, group: dict, rnd: MuonRound) -> None:
+        params, ortho = rnd.params, rnd.ortho
         lr, eps, radius = group["lr"], group["hyperball_eps"], group["hyperball_radius"]
         if lr == 0.0:
             return  # nothing moves (and no renormalization rounds a weight already on its sphere)
         if group["weight_decay"] != 0.0:
             torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
-        sharding = optimizer.sharding
-        local = _local_view(optimizer)
+        sharding = ctx.sharding
+        local = _local_view(ctx)
         layout = layout_of(group)
         if layout.batched:
             for p, pieces in zip(params, ortho):
@@ -154,8 +155,8 @@ class MuonHyperball(MuonAlgorithm):
                 p.copy_(target)
 
 
-def _local_view(optimizer: Any):
-    sharding = optimizer.sharding
+def _local_view(ctx: StepContext):
+    sharding = ctx.sharding
     return sharding.local_shard if sharding is not None else (lambda t: t)
 
 

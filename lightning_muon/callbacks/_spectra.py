@@ -30,8 +30,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor, nn
 
-from lightning_muon.algorithms import orthogonalizes
-from lightning_muon.functional import adjust_lr_ratio
+from lightning_muon.algorithms import get_algorithm, orthogonalizes
 from lightning_muon.layout import MatrixLayout, layout_of
 from lightning_muon.metrics import rms, singular_values, spectrum_stats
 
@@ -234,9 +233,7 @@ class SpectrumCollector:
         for i, o in enumerate(pieces):
             o3 = o if o.ndim == 3 else o.unsqueeze(0)  # (B, r, c)
             rows, cols = o3.shape[-2:]
-            scale = lr * adjust_lr_ratio(
-                group["adjust_lr"], *layout.fans(rows, cols), group.get("extra_scale_factor", 1.0)
-            )
+            scale = lr * get_algorithm(group["algorithm"]).update_scale(group, *layout.fans(rows, cols))
             weight = weights[i] if weights is not None else None
             momentum = momenta[i] if momenta is not None else None
             with _svd_threads(o3):

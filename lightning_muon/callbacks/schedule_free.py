@@ -8,6 +8,7 @@ import lightning.pytorch as pl
 from lightning.pytorch.callbacks import Callback
 from lightning.pytorch.core.optimizer import LightningOptimizer
 
+from lightning_muon.algorithms.adamw_schedulefree import schedule_free_groups, schedule_free_training
 from lightning_muon.muon import Muon
 
 __all__ = ["ScheduleFreeModeSwitch"]
@@ -18,7 +19,7 @@ def _schedule_free_optimizers(trainer: pl.Trainer) -> list[Muon]:
     for optimizer in trainer.optimizers:
         if isinstance(optimizer, LightningOptimizer):
             optimizer = optimizer._optimizer
-        if isinstance(optimizer, Muon) and optimizer.schedule_free_groups:
+        if isinstance(optimizer, Muon) and schedule_free_groups(optimizer):
             found.append(optimizer)
     return found
 
@@ -91,12 +92,12 @@ def save_in_eval_mode(trainer: pl.Trainer, pl_module: pl.LightningModule, checkp
     optimizer states when the checkpoint has them. Every rank runs this, as it runs the
     dump (strategies may gather in both).
     """
-    optimizers = [o for o in _schedule_free_optimizers(trainer) if o.schedule_free_training]
+    optimizers = [o for o in _schedule_free_optimizers(trainer) if schedule_free_training(o)]
     if not optimizers:
         return  # eval mode already (after validation): Lightning's dump is the eval one
     for optimizer in optimizers:
         optimizer.eval()
-    ids = {id(p) for o in optimizers for g in o.schedule_free_groups for p in g["params"]}
+    ids = {id(p) for o in optimizers for g in schedule_free_groups(o) for p in g["params"]}
     names = {n for n, p in pl_module.named_parameters(remove_duplicate=False) if id(p) in ids}
     state = trainer.strategy.lightning_module_state_dict()
     checkpoint["state_dict"] = {k: v.detach().clone() if k in names else v for k, v in state.items()}

@@ -38,13 +38,13 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, Replicate, Shard
 
-from lightning_muon.algorithms import orthogonalizes
+from lightning_muon.algorithms import per_matrix
 from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
 from lightning_muon.distributed.planning import plan_ownership
 from lightning_muon.distributed.protocol import Sharding
 from lightning_muon.functional import muon_orthogonalize
 from lightning_muon.layout import MatrixLayout, layout_of
-from lightning_muon.newton_schulz import resolve_ns_dtype
+from lightning_muon.newton_schulz import MatrixMap, resolve_ns_dtype
 
 __all__ = ["FSDP_MODES", "MuonFSDPSharding", "exchange_with_owners", "muon_params", "shard_rows"]
 
@@ -217,16 +217,18 @@ class MuonFSDPSharding(Sharding):
         return [self._pieces_as_dtensors(o, u, layout) for o, u in zip(ortho, updates)]
 
     def _warn_unobserved(self, why: str) -> None:
-        if self.optimizer.has_update_hooks and not self._warned_observer:
+        if self.optimizer.has_update_hooks and self.observing and not self._warned_observer:
             self._warned_observer = True
             warnings.warn(
                 f"MuonFSDPSharding: {why}; the update hooks are not run for them", RuntimeWarning, stacklevel=3
             )
 
-    def _wire_dtype(self, updates: list[Tensor], ns_dtype) -> torch.dtype:
+    def _wire_dtype(self, updates: list[Tensor], ns_dtype, ns_method=None) -> torch.dtype:
         base = updates[0].dtype
         for u in updates[1:]:
             base = torch.promote_types(base, u.dtype)
+        if isinstance(ns_method, MatrixMap):
+            return base  # a map (an SVD, Sinkhorn-Knopp) reads its matrices in their own dtype
         work = resolve_ns_dtype(ns_dtype, updates[0].device, base)
         # Newton-Schulz casts its input to ``work`` first and returns values of that dtype:
         # a narrower wire dtype then loses nothing (module docstring).
@@ -261,7 +263,7 @@ class MuonFSDPSharding(Sharding):
             [tuple(u.shape) for u in updates],
             [self.plan.owners[self._index[id(p)]] for p in params],
             [u.dtype for u in updates],
-            self._wire_dtype(updates, ns_kwargs.get("ns_dtype")),
+            self._wire_dtype(updates, ns_kwargs.get("ns_dtype"), ns_kwargs.get("ns_method")),
             self.group,
             rank,
             self.world_size,
@@ -273,6 +275,55 @@ class MuonFSDPSharding(Sharding):
                 f"expected {expected} rows (torch.chunk blocks of dim 0)"
             ),
         )
+
+    @torch.no_grad()
+    def map_whole(
+        self,
+        params: list[Tensor],
+        tensors: list[list[Tensor]],
+        fn: Callable[[int, list[Tensor]], list[Tensor]],
+    ) -> list[list[Tensor]]:
+        """``Sharding.map_whole`` by owners: each parameter's tensors whole on its owner, ``fn`` there, rows back.
+
+        Every tensor is a ``Shard(0)`` DTensor on the parameters' mesh (``torch.chunk`` row
+        blocks); one ``exchange_with_owners`` carries them all, in their own dtypes' widest,
+        and returns each rank its rows of every result as plain tensors.
+        """
+        counts = [len(ts) for ts in tensors]
+        starts = [sum(counts[:i]) for i in range(len(counts))]
+        flat = [t for ts in tensors for t in ts]
+        param_of = [i for i, n in enumerate(counts) for _ in range(n)]
+        owners = [self.plan.owners[self._index[id(params[i])]] for i in param_of]
+        wire = flat[0].dtype
+        for t in flat[1:]:
+            wire = torch.promote_types(wire, t.dtype)
+
+        def compute(mine: list[int], full: list[Tensor]) -> list[Tensor]:
+            whole = dict(zip(mine, full))
+            out = []
+            for i in dict.fromkeys(param_of[k] for k in mine):  # this rank's parameters, in order
+                out += fn(i, [whole[starts[i] + j] for j in range(counts[i])])
+            return out
+
+        rank = self.rank
+        parts = exchange_with_owners(
+            [self.local_shard(t) for t in flat],
+            [tuple(t.shape) for t in flat],
+            owners,
+            [t.dtype for t in flat],
+            wire,
+            self.group,
+            rank,
+            self.world_size,
+            self.stats,
+            compute,
+            lambda i, rows: [rows],
+            mismatch=lambda i, shard, expected: (
+                f"MuonFSDPSharding.map_whole: a shard of shape {shard} of a {tuple(flat[i].shape)} tensor on rank "
+                f"{rank}; expected {expected} rows (torch.chunk blocks of dim 0)"
+            ),
+        )
+        return [[parts[starts[i] + j][0] for j in range(counts[i])] for i in range(len(tensors))]
 
     def _pieces_as_dtensors(self, local_pieces: list[Tensor], like: Tensor, layout: MatrixLayout) -> list[Tensor]:
         """DTensors of the pieces of ``like`` (a DTensor sharded on dim 0 only) from this rank's rows of each.
@@ -300,7 +351,7 @@ class MuonFSDPSharding(Sharding):
         full: list[Tensor],
         ortho: list[list[Tensor]],
     ) -> None:
-        if not self.optimizer.has_update_hooks or not mine:
+        if not self.optimizer.has_update_hooks or not mine or not self.observing:
             return
         # Looked up now: loading a state dict replaces the group dicts (not the parameters).
         first = params[mine[0]]
@@ -430,12 +481,12 @@ def muon_params(
     messages, ``params`` are all the Muon parameters); ``who`` prefixes the error raised
     when there are none.
     """
-    groups = [g for g in optimizer.param_groups if orthogonalizes(g)]  # Muon and its variants
+    groups = [g for g in optimizer.param_groups if per_matrix(g)]  # Muon, its variants, SOAP: per-matrix work
     params: list[Tensor] = [p for g in groups for p in g["params"]]
     if not params:
         raise ValueError(f"{who}: the optimizer has no Muon parameters")
     for index, g in enumerate(optimizer.param_groups):
-        if not orthogonalizes(g):
+        if not per_matrix(g):
             continue
         check(g, f"param group {index}" + (f" ({g['name']!r})" if "name" in g else ""), params)
     return groups, params

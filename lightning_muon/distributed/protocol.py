@@ -26,6 +26,8 @@ a collective of the step.
 
 from __future__ import annotations
 
+import contextlib
+from collections.abc import Callable, Iterator
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -49,7 +51,7 @@ class FiniteVerdict:
     local_finite: bool
     """True when this rank's gradients are finite."""
     culprit: str | None = None
-    """``Muon.param_label`` of the first non-finite gradient over all ranks, in optimizer order."""
+    """``FiniteChecks.label`` of the first non-finite gradient over all ranks, in optimizer order."""
 
 
 class Sharding:
@@ -160,6 +162,41 @@ class Sharding:
         """
         return muon_orthogonalize(updates, **ns_kwargs, keep_work_dtype=True)
 
+    def map_whole(
+        self,
+        params: list[Tensor],
+        tensors: list[list[Tensor]],
+        fn: Callable[[int, list[Tensor]], list[Tensor]],
+    ) -> list[list[Tensor]]:
+        """Per parameter ``i``, ``fn(i, wholes)`` on its ``tensors[i]`` whole; returns this rank's part of each result.
+
+        The primitive of per-matrix work that is not an orthogonalization (SOAP's step: the
+        gradient and the state's factors in, the update and the new state out). ``tensors[i]``
+        are shaped as the results ``fn`` returns for them, one each, and each is split across
+        ranks as ``params[i]`` is (a DTensor's placements; whole here). This default holds
+        every tensor whole (one process, DDP owners): ``fn`` runs here. Every rank calls it
+        with the same parameters.
+        """
+        return [fn(i, ts) for i, ts in enumerate(tensors)]
+
+    @property
+    def observing(self) -> bool:
+        """Whether ``orthogonalize`` runs the update hooks on what it orthogonalizes (see ``unobserved``)."""
+        return self.__dict__.get("_observing", True)
+
+    @contextlib.contextmanager
+    def unobserved(self) -> Iterator[None]:
+        """Within it, ``orthogonalize`` runs no update hooks: a stage orthogonalizes something not an update.
+
+        (Spel projects its weights back onto the orthogonal matrices with the same exchange.)
+        """
+        previous = self.observing
+        self.__dict__["_observing"] = False
+        try:
+            yield
+        finally:
+            self.__dict__["_observing"] = previous
+
     def reduce_matrix_sums(self, params: list[Tensor], partial: Tensor) -> Tensor:
         """Whole-matrix sums from this rank's part of them: ``partial[i]`` sums over its piece of ``params[i]``.
 
@@ -227,14 +264,14 @@ class Sharding:
         """The first non-finite gradient over all ranks, in optimizer order (a second all-reduce, MIN)."""
         groups = self.optimizer.param_groups
         flat = [(i, j) for i, g in enumerate(groups) for j in range(len(g["params"]))]
-        culprit = None if local_ok else self.optimizer.nonfinite_culprit_index()
+        culprit = None if local_ok else self.optimizer.finite_checks.culprit_index()
         first = flat.index(culprit) if culprit is not None else len(flat)
         if self.world_size > 1:
             device = self.params[0].device if self.params else torch.device("cpu")
             where = torch.tensor([first], dtype=torch.int64, device=device)
             all_reduce_(where, dist.ReduceOp.MIN, self.group, self.stats, name="nonfinite_where")
             first = int(where.item())
-        return self.optimizer.param_label(*flat[first]) if first < len(flat) else None
+        return self.optimizer.finite_checks.label(*flat[first]) if first < len(flat) else None
 
     def step_finite(self) -> FiniteVerdict:
         """The verdict on this step's gradients: the agreement made since the last step, or a new one.

@@ -39,7 +39,7 @@ import torch
 import torch.distributed as dist
 from torch import Tensor
 
-from lightning_muon.algorithms import orthogonalizes
+from lightning_muon.algorithms import per_matrix
 from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v, owner_groups, unit_rows
 from lightning_muon.distributed.overlap import OverlappedReduce
 from lightning_muon.distributed.planning import expert_blocks, plan_ownership
@@ -89,7 +89,7 @@ class MuonSharding(Sharding):
         """This rank's place in its owner group: what the plan's owners are numbered by."""
         self.owner_group, self.peer_group = owner_groups(group, world_size, size)
         self._overlap: OverlappedReduce | None = None
-        groups = [g for g in optimizer.param_groups if orthogonalizes(g)]  # Muon and its variants
+        groups = [g for g in optimizer.param_groups if per_matrix(g)]  # Muon, its variants, SOAP: per-matrix work
         params = [p for g in groups for p in g["params"]]
         # Expert stacks split by experts over the group's ranks: param index -> rows per local rank.
         layouts = [layout_of(g) for g in groups for _ in g["params"]]

@@ -37,12 +37,13 @@ from __future__ import annotations
 
 import math
 import warnings
+from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
 import torch.distributed as dist
 from torch import Tensor
-from torch.distributed.tensor import DTensor, Replicate, Shard
+from torch.distributed.tensor import DTensor, Replicate, Shard, distribute_tensor
 from torch.distributed.tensor.placement_types import _StridedShard
 
 from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
@@ -58,7 +59,7 @@ from lightning_muon.distributed.protocol import Sharding
 from lightning_muon.distributed.tp_math import TP_MODES, long_side_split, newton_schulz_on_shards
 from lightning_muon.functional import muon_orthogonalize
 from lightning_muon.layout import MatrixLayout, layout_of
-from lightning_muon.newton_schulz import resolve_coefficients, resolve_ns_dtype
+from lightning_muon.newton_schulz import MatrixMap, resolve_coefficients, resolve_ns_dtype
 
 __all__ = ["DP_DIM", "TP_DIM", "MuonTPSharding", "tp_split_dim"]
 
@@ -197,6 +198,32 @@ class MuonTPSharding(MuonFSDPSharding):
             stride=like.stride(),
         )
 
+    @torch.no_grad()
+    def map_whole(
+        self,
+        params: list[Tensor],
+        tensors: list[list[Tensor]],
+        fn: Callable[[int, list[Tensor]], list[Tensor]],
+    ) -> list[list[Tensor]]:
+        """``Sharding.map_whole`` on a 2-D mesh: every tensor gathered whole on every rank, ``fn`` on each.
+
+        Exact whatever the placements, at the cost of the duplicated work and an all-gather
+        of every tensor (the owner path of ``MuonFSDPSharding`` serves 1-D meshes); each rank
+        keeps its own part of every result, cut locally.
+        """
+        out = []
+        for i, ts in enumerate(tensors):
+            results = fn(i, [t.full_tensor() if isinstance(t, DTensor) else t for t in ts])
+            out.append(
+                [
+                    distribute_tensor(r, t.device_mesh, t.placements, src_data_rank=None).to_local()
+                    if isinstance(t, DTensor)
+                    else r
+                    for r, t in zip(results, ts)
+                ]
+            )
+        return out
+
     def _orthogonalize_blocks(
         self, params: list[Tensor], updates: list[Tensor], mine: list[int], whole: list[Tensor], ns_kwargs: dict
     ) -> list[Tensor]:
@@ -216,8 +243,10 @@ class MuonTPSharding(MuonFSDPSharding):
                 out[k] = o[0]
                 observed_full[k] = (whole[k], o[0])
         split_ks = [k for k, s in enumerate(split) if s is not None]
+        # A matrix map (MOP's SVD, Sinkhorn) needs its matrix whole: "distributed" gathers it as "duplicated" does.
+        whole_map = isinstance(ns_kwargs.get("ns_method"), MatrixMap)
         if split_ks:
-            if self.tp_mode == "duplicated":
+            if self.tp_mode == "duplicated" or (whole_map and self.tp_mode == "distributed"):
                 fulls = self._tp.gather(split_ks, lay, whole, dst=None)
                 ortho = muon_orthogonalize(fulls, **ns_kwargs)
                 for k, full, o in zip(split_ks, fulls, ortho):
@@ -239,7 +268,7 @@ class MuonTPSharding(MuonFSDPSharding):
         return out  # type: ignore[return-value]
 
     def _observe_owned(self, params, updates, mine, observed_full, has_split) -> None:
-        if not self.optimizer.has_update_hooks:
+        if not self.optimizer.has_update_hooks or not self.observing:
             return
         if self.tp_mode == "blockwise" and has_split and not self._warned_observer:
             self._warned_observer = True
@@ -284,7 +313,7 @@ def _check_tp_param(p: Tensor, group: dict, where: str) -> None:
     if mesh.ndim == 1:
         if placements != (Shard(0),):
             raise ValueError(f"MuonTPSharding: {where}: a 1-D mesh parameter of shape {shape} placed {placements}")
-        if group["batched"] and p.ndim > 3:
+        if layout.batched and p.ndim > 3:
             raise ValueError(f"MuonTPSharding: {where}: batched tensors with more than 3 dims ({shape})")
         return
     if mesh.ndim != 2 or tuple(mesh.mesh_dim_names or ()) != (DP_DIM, TP_DIM):
@@ -305,14 +334,14 @@ def _check_tp_param(p: Tensor, group: dict, where: str) -> None:
             f"MuonTPSharding: {where}: a parameter of shape {shape} placed {placements}; expected {expected} on "
             "the data dim (apply parallelize_module first, then fully_shard on the data-parallel mesh)"
         )
-    if group["batched"]:
+    if layout.batched:
         if split not in (None, 0) or p.ndim != 3:
             raise ValueError(
                 f"MuonTPSharding: {where}: an expert stack of shape {shape} placed {placements} must be 3-D and "
                 "split on the tensor dim along its experts (dim 0, expert parallelism) or not at all"
             )
         return
-    if split is not None and (p.ndim != 2 or group["split_sizes"] is not None):
+    if split is not None and (p.ndim != 2 or layout.split_sizes is not None):
         raise ValueError(
             f"MuonTPSharding: {where}: a tensor-parallel parameter of shape {shape} must be a 2-D matrix "
             "without split_sizes or batched"

@@ -12,32 +12,13 @@ import operator
 from collections.abc import Callable
 from typing import Any
 
-from lightning_muon.functional import ADJUST_LR_ALIASES, SECOND_MOMENTS
-from lightning_muon.newton_schulz import COEFFICIENTS
+from lightning_muon.algorithms.emerging import MEGATRON_COEFFICIENTS, eo_schedule
+from lightning_muon.functional import ADJUST_LR_ALIASES
 
 __all__ = ["MEGATRON_COEFFICIENTS", "MEGATRON_SCALE_MODES", "map_megatron_names"]  # the last two from fused_qkv
 
-# Megatron-Core's ``coefficient_type`` names (emerging_optimizers ``muon_utils``) and their
-# schedules here. Megatron cycles a list when ``num_ns_steps`` is a multiple of its length
-# (and raises otherwise): those become explicit lists below.
-MEGATRON_COEFFICIENTS: dict[str, str | list[tuple[float, float, float]]] = {
-    "simple": "keller",  # (3.4445, -4.7750, 2.0315) at every step
-    "quintic": "you",  # Megatron's default, You Jiacheng's 5-step tuning
-    # The paper's 8 tuples with the 1.01 safety folded in (Megatron rounds them to 4 digits),
-    # last repeated; Megatron requires num_ns_steps >= 8, shorter runs take the first tuples.
-    # Megatron pre-scales by ||X||_F, ours by 1.01 ||X||_F (NORMALIZATION["polar_express_paper"]).
-    "polar_express": "polar_express_paper",
-    # Emerging-Optimizers 0.3.0 repeats the last tuple of these two, as ours do.
-    "cans": "cans",  # Grishina et al., arXiv 2506.10935
-    "deepseekv4": "deepseekv4",  # 10 steps: Keller's quintic 8 times, then (2, -1.5, 0.5) twice
-    # Megatron's "aol" list, from thib-s/flash-newton-schulz (Boissin et al.), 4 tuples.
-    "aol": [
-        (4.0098, -7.0585, 2.4635),
-        (3.4585, -5.5479, 2.5959),
-        (2.7573, -3.2939, 1.4254),
-        (2.7215, -3.0494, 1.3169),
-    ],
-}
+# Megatron-Core's ``moment2_method`` names: Emerging-Optimizers' forms (``functional.muon_second_moment_``).
+MEGATRON_MOMENT2_METHODS = ("adamuon", "normuon", "namo")
 MEGATRON_SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm")
 
 
@@ -69,9 +50,9 @@ def map_megatron_names(config: Any) -> None:
             raise ValueError(f"MuonConfig.scale_mode must be one of {MEGATRON_SCALE_MODES}, got {config.scale_mode!r}")
         take("scale_mode", "adjust_lr", config.scale_mode, _same_adjust_lr)
     if config.moment2_method is not None:
-        if config.moment2_method not in SECOND_MOMENTS:
+        if config.moment2_method not in MEGATRON_MOMENT2_METHODS:
             raise ValueError(
-                f"MuonConfig.moment2_method must be one of {SECOND_MOMENTS}, got {config.moment2_method!r}"
+                f"MuonConfig.moment2_method must be one of {MEGATRON_MOMENT2_METHODS}, got {config.moment2_method!r}"
             )
         take("moment2_method", "second_moment", config.moment2_method)
     if not isinstance(config.split_qkv, bool):
@@ -101,12 +82,8 @@ def _megatron_schedule(config) -> str | list[tuple[float, float, float]]:
         raise ValueError(
             f"MuonConfig.coefficient_type must be one of {[*MEGATRON_COEFFICIENTS, 'custom']}, got {name!r}"
         )
-    schedule = MEGATRON_COEFFICIENTS[name]
-    if name in ("quintic", "aol"):
-        cycle = list(schedule) if isinstance(schedule, list) else list(COEFFICIENTS[schedule])
-        if isinstance(config.ns_steps, int) and config.ns_steps > len(cycle):  # Megatron repeats the whole list
-            return [cycle[i % len(cycle)] for i in range(config.ns_steps)]
-    return schedule
+    steps = config.ns_steps if isinstance(config.ns_steps, int) else 1  # a bad ns_steps is refused later
+    return eo_schedule(name, steps)
 
 
 def _same_schedule(a: Any, b: Any) -> bool:

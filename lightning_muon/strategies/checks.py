@@ -49,8 +49,9 @@ def check_optimizers(optimizers: list[Any], module: nn.Module, who: str, name: s
                     if sharded_model and not isinstance(p, DTensor)
                     else "build the optimizer from the parameters of the model you set up"
                 )
+                label = optimizer.finite_checks.label(i, j)
                 raise ValueError(
-                    f"{who} ({name!r}): {optimizer.param_label(i, j)} is not a parameter of the model the strategy "
+                    f"{who} ({name!r}): {label} is not a parameter of the model the strategy "
                     f"set up ({type(module).__name__}); {hint}"
                 )
 

@@ -25,7 +25,7 @@ from torch import Tensor, nn
 from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel
 
-from lightning_muon.algorithms import orthogonalizes
+from lightning_muon.algorithms import per_matrix
 from lightning_muon.distributed.grad_norm import clip_by_total_norm_, global_grad_norm
 from lightning_muon.distributed.sharded import MODES, MuonSharding
 from lightning_muon.muon import Muon
@@ -104,7 +104,7 @@ class MuonDDPCore:
             )
         new = []
         for optimizer in map(unwrap, optimizers):
-            if optimizer.sharding is None and any(orthogonalizes(g) for g in optimizer.param_groups):
+            if optimizer.sharding is None and any(per_matrix(g) for g in optimizer.param_groups):
                 new.append(MuonSharding(optimizer, mode=self.muon_mode, owner_group_size=size))
         self.shardings += new
         return new

@@ -155,7 +155,7 @@ class MuonFSDPStrategy(ModelParallelStrategy):
         self.precision.unscale_gradients(optimizer)
         inner = unwrap(optimizer)
         if isinstance(inner, Muon):
-            inner.precheck_gradients()  # clipping spreads one NaN: name the parameter it came from first
+            inner.finite_checks.precheck()  # clipping spreads one NaN: name the parameter it came from first
         params = list(self.precision.main_params(optimizer))
         total = self.muon.clip_grad_norm_(optimizer, params, max_norm, norm_type, error_if_nonfinite)
         return total if total is not None else torch.zeros((), device=self.root_device)

@@ -21,7 +21,7 @@ from torch import Tensor, nn
 from torch.distributed.tensor import DTensor, Shard
 from torch.distributed.tensor.placement_types import _StridedShard
 
-from lightning_muon.algorithms import orthogonalizes
+from lightning_muon.algorithms import per_matrix
 from lightning_muon.distributed.fsdp import FSDP_MODES, MuonFSDPSharding
 from lightning_muon.distributed.grad_norm import clip_by_total_norm_, global_grad_norm
 from lightning_muon.distributed.tensor_parallel import MuonTPSharding
@@ -215,9 +215,9 @@ class MuonFSDPCore:
         for optimizer in optimizers:
             on_2d = {g["algorithm"] for g in optimizer.param_groups for p in g["params"] if on_2d_mesh(p)}
             self.global_clipping |= bool(on_2d)
-            if optimizer.sharding is not None or not any(orthogonalizes(g) for g in optimizer.param_groups):
+            if optimizer.sharding is not None or not any(per_matrix(g) for g in optimizer.param_groups):
                 continue
-            if self.tensor_parallel_size > 1 or any(orthogonalizes(a) for a in on_2d):
+            if self.tensor_parallel_size > 1 or any(per_matrix(a) for a in on_2d):
                 sharding = MuonTPSharding(optimizer, tp_mode=self._resolve_tp_mode(optimizer))
                 rank_zero_info(
                     f"{self.who}: Muon on a {sharding.dp_size} x {sharding.tp_size} (data x tensor) mesh, "
@@ -231,8 +231,10 @@ class MuonFSDPCore:
 
     def _resolve_tp_mode(self, optimizer: Muon) -> str:
         """The strategy's ``tp_mode`` if set (written into every Muon group), else the groups' own (all alike)."""
-        groups = [g for g in optimizer.param_groups if orthogonalizes(g)]
-        modes = {g["tp_mode"] for g in groups}
+        # Muon's groups carry a tp_mode; the other per-matrix algorithms' (Emerging-Optimizers'
+        # names, SOAP) gather their matrices whole: "duplicated".
+        groups = [g for g in optimizer.param_groups if per_matrix(g) and "tp_mode" in g]
+        modes = {g["tp_mode"] for g in groups} or {TP_MODES[0]}
         if self.tp_mode is None:
             if len(modes) > 1:
                 raise ValueError(f"{self.who}: the Muon groups ask for different tp_modes {sorted(modes)}")

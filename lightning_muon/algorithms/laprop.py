@@ -1,0 +1,226 @@
+"""``"laprop"`` groups: LaProp (momentum of the RMS-normalized gradient) for the parameters Muon does not orthogonalize.
+
+The hyperparameters and the step are NVIDIA Emerging-Optimizers' ``LaProp`` (0.3.0): its
+constructor's names and defaults, its bias correction, its four weight decay methods and
+its optional Frobenius-norm preservation. The rule is on ``LaProp``; ``laprop_`` is the
+math over lists of tensors, ``LaProp.step_group`` collects them and the state.
+
+State per parameter: ``step`` (a 0-D tensor), ``exp_avg``, ``exp_avg_sq`` (stored in
+``exp_avg_dtype`` and ``exp_avg_sq_dtype``, computed in float32 at least: ``state_dtypes``).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+import math
+from collections.abc import Iterator, Sequence
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from lightning_muon.algorithms.adamw import Betas, momentum_readout
+from lightning_muon.algorithms.base import Algorithm, StepContext, register_algorithm
+from lightning_muon.algorithms.checks import check_betas, check_bool, check_choice, check_number, normalize
+from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS, state_dtype
+
+__all__ = [
+    "LAPROP",
+    "WEIGHT_DECAY_METHODS",
+    "LaProp",
+    "LaPropHparams",
+    "WeightDecayMethod",
+    "check_laprop",
+    "laprop_",
+]
+
+WEIGHT_DECAY_METHODS = ("decoupled", "independent", "l2", "palm")
+WeightDecayMethod = Literal["decoupled", "independent", "l2", "palm"]
+# Parameter elements widened to float32 at once when the parameters or the moments are narrower:
+# 64 MiB per widened list, so a step over a large bf16 embedding holds a bounded extra copy.
+_WIDEN_ELEMENTS = 1 << 24
+
+
+@dataclass(frozen=True, kw_only=True)
+class LaPropHparams:
+    """LaProp groups, with Emerging-Optimizers' ``LaProp`` names and defaults."""
+
+    lr: float = 1e-3
+    """Learning rate (peak); follows the same schedule as Muon's."""
+    betas: Betas = (0.9, 0.999)
+    """(beta1, beta2): the EMA rates of the normalized gradient and of the squared gradient, each in [0, 1)."""
+    eps: float = 1e-8
+    """Added to the bias-corrected RMS before the division; also floors the norm ``frob_normalize`` divides by; >= 0."""
+    weight_decay: float = 0.0
+    """Weight decay coefficient; how it applies is ``weight_decay_method``."""
+    correct_bias: bool = True
+    """Divide both EMAs by ``1 - beta ** step`` (Adam's bias correction); False uses them as they are."""
+    frob_normalize: bool = False
+    """After each step, scale each parameter back to the Frobenius norm it had before; meant for ``weight_decay=0``."""
+    weight_decay_method: WeightDecayMethod = "decoupled"
+    """"decoupled" ``W (1 - lr wd)``, "independent" ``W (1 - wd)``, "l2" ``g + wd W``, "palm" ``W (1 - lr^2 wd)``."""
+
+    prefix = "laprop_"  # not a field: the prefix of these knobs among Muon's keywords
+
+    def __post_init__(self) -> None:
+        normalize(self, check_laprop(dataclasses.asdict(self), "Muon()", self.prefix))
+
+
+def check_laprop(group: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
+    """Check LaProp's hyperparameters in ``group``; returns the normalized values (``betas`` a tuple)."""
+    check_number(group["lr"], prefix + "lr", where, 0.0)
+    betas = check_betas(group["betas"], where, prefix)
+    check_number(group["eps"], prefix + "eps", where, 0.0)
+    check_number(group["weight_decay"], prefix + "weight_decay", where, 0.0)
+    for name in ("correct_bias", "frob_normalize"):
+        check_bool({prefix + name: group[name]}, prefix + name, where)
+    key = prefix + "weight_decay_method"
+    check_choice({key: group["weight_decay_method"]}, key, where, WEIGHT_DECAY_METHODS)
+    return {"betas": betas}
+
+
+def laprop_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+    weight_decay: float,
+    weight_decay_method: str,
+    correct_bias: bool,
+    frob_normalize: bool,
+) -> None:
+    """One LaProp step over every parameter (``LaProp``'s rule), the moments and ``steps`` updated in place.
+
+    The math runs in float32 at least: a bf16 parameter, gradient or moment (``exp_avg_dtype``,
+    ``exp_avg_sq_dtype``) is read into float32, updated there and rounded once on its way back,
+    ``_WIDEN_ELEMENTS`` elements at a time. ``grads`` are not modified ("l2" adds the decay to a copy).
+    """
+    work = [torch.promote_types(p.dtype, torch.float32) for p in params]
+    lists = (params, grads, exp_avgs, exp_avg_sqs)
+    if any(t.dtype != w for ts in lists for t, w in zip(ts, work)):
+        for part in _batches(params):
+            # ``Tensor.to`` returns the tensor itself where it already is in the work dtype.
+            wide = [[t.to(w) for t, w in zip(ts[part], work[part])] for ts in lists]
+            laprop_(
+                *wide, steps[part], lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
+                weight_decay_method=weight_decay_method, correct_bias=correct_bias, frob_normalize=frob_normalize,
+            )  # fmt: skip
+            for stored, updated in ((params, wide[0]), (exp_avgs, wide[2]), (exp_avg_sqs, wide[3])):
+                for t, w in zip(stored[part], updated):
+                    if w is not t:
+                        t.copy_(w)  # rounded once, to nearest even
+        return
+    torch._foreach_add_(steps, 1.0)
+    counts = [s.item() for s in steps]  # a parameter that skipped steps has its own count
+    pre_norms = [torch.linalg.vector_norm(p) for p in params] if frob_normalize else []
+    if weight_decay != 0.0:
+        if weight_decay_method == "l2":
+            grads = torch._foreach_add(grads, params, alpha=weight_decay)
+        else:
+            shrink = {"decoupled": lr * weight_decay, "independent": weight_decay, "palm": lr * lr * weight_decay}
+            # W + (-s) W, not W (1 - s): "palm"'s s = lr^2 wd is often below float32's spacing near 1
+            # (6e-8), where 1 - s rounds to 1 and the decay vanishes.
+            torch._foreach_add_(params, params, alpha=-shrink[weight_decay_method])
+    bias1 = [1.0 - beta1**n if correct_bias else 1.0 for n in counts]
+    bias2_sqrt = [math.sqrt(1.0 - beta2**n) if correct_bias else 1.0 for n in counts]
+    # v <- beta2 v + (1 - beta2) g^2
+    torch._foreach_mul_(exp_avg_sqs, beta2)
+    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+    # d = sqrt(v / (1 - beta2^t)) + eps;  m <- beta1 m + (1 - beta1) g / d
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_mul_(exp_avgs, beta1)
+    torch._foreach_addcdiv_(exp_avgs, grads, denom, 1.0 - beta1)
+    del denom  # the update below is the step's one other temporary
+    # W <- W - lr m / (1 - beta1^t)
+    update = torch._foreach_mul(exp_avgs, [-lr / b for b in bias1])
+    torch._foreach_add_(params, update)
+    del update
+    for p, before in zip(params, pre_norms):
+        # eps floors the divisor: a parameter stepped to zero stays zero rather than NaN (for eps > 0).
+        p.mul_(before / torch.linalg.vector_norm(p).clamp_min(eps))
+
+
+def _batches(params: Sequence[Tensor]) -> Iterator[slice]:
+    """Consecutive slices of ``params`` of at most ``_WIDEN_ELEMENTS`` elements each (one parameter at least)."""
+    start, total = 0, 0
+    for i, p in enumerate(params):
+        if i > start and total + p.numel() > _WIDEN_ELEMENTS:
+            yield slice(start, i)
+            start, total = i, 0
+        total += p.numel()
+    if start < len(params):
+        yield slice(start, len(params))
+
+
+class LaProp(Algorithm):
+    """``"laprop"``: LaProp, Adam's two moments with the momentum taken of the normalized gradient.
+
+    Per parameter ``W`` with gradient ``g``, at step ``t`` (counted from 1), with
+    ``c1 = 1 - beta1^t`` and ``c2 = 1 - beta2^t`` (both 1 when ``correct_bias=False``)::
+
+        r = ||W||_F                                   # frob_normalize only
+        W <- W (1 - lr wd)                            # "decoupled"; "independent": W (1 - wd),
+                                                      # "palm": W (1 - lr^2 wd), "l2": g <- g + wd W
+        v <- beta2 v + (1 - beta2) g^2
+        m <- beta1 m + (1 - beta1) g / (sqrt(v / c2) + eps)
+        W <- W - lr m / c1
+        W <- W r / max(||W||_F, eps)                  # frob_normalize only
+
+    Unlike Adam, the gradient is divided by its RMS before it enters the momentum, not after:
+    the paper's point is that this frees beta1 from beta2 (any pair in [0, 1) is stable).
+
+    References:
+        Ziyin, Wang, Ueda, "LaProp: Separating Momentum and Adaptivity in Adam",
+        arXiv 2002.04839, 2020.
+    """
+
+    name = "laprop"
+    hparams = LaPropHparams
+    state_dtype_settings = frozenset(STATE_SETTINGS)
+
+    def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
+        return check_laprop(values, where, prefix)
+
+    def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
+        momentum_readout(group)
+
+    def step_group(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
+        """Step ``params`` with ``grads``; of ``ctx`` only ``state`` and ``config`` (the state dtypes) are used."""
+        state = ctx.state
+        for p in params:
+            entry = state[p]
+            if "exp_avg" not in entry:
+                entry["step"] = torch.tensor(0.0)
+                for key, setting in (("exp_avg", "exp_avg_dtype"), ("exp_avg_sq", "exp_avg_sq_dtype")):
+                    dtype = state_dtype(ctx, setting, p)
+                    entry[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+        entries = [state[p] for p in params]
+        beta1, beta2 = group["betas"]
+        momentum_readout(group)  # betas may have been changed since (a scheduler, a user)
+        laprop_(
+            params,
+            grads,
+            [s["exp_avg"] for s in entries],
+            [s["exp_avg_sq"] for s in entries],
+            [s["step"] for s in entries],
+            lr=group["lr"],
+            beta1=beta1,
+            beta2=beta2,
+            eps=group["eps"],
+            weight_decay=group["weight_decay"],
+            weight_decay_method=group["weight_decay_method"],
+            correct_bias=group["correct_bias"],
+            frob_normalize=group["frob_normalize"],
+        )
+
+
+LAPROP = register_algorithm(LaProp())

@@ -1,0 +1,144 @@
+r"""``"mop"`` groups: MOP, the momentum's exact polar factor by SVD, scaled by its nuclear norm or by shape.
+
+Emerging-Optimizers names it "Momentum Orthogonalized by Polar decomposition" and marks it
+experimental ("not yet thoroughly tested"). It is Muon with the Newton-Schulz iteration
+replaced by the SVD: for ``U = P S Q^T`` (thin SVD) the polar factor is ``P Q^T``. For a
+matrix ``W`` with gradient ``G``::
+
+    W <- decay(W)                                  # weight_decay_method (EmergingVariant)
+    B <- mu B + (1 - mu) G
+    U <- (1 - mu) G + mu B   if nesterov else B
+    O <- P Q^T                                     # U = P S Q^T
+    W <- W - lr extra_scale_factor s O
+
+with ``s``, by ``scale_mode``: ``"nuclear_norm"`` ``||U||_* = sum_i S_i`` (PolarGrad's
+steepest descent in the spectral norm, which Emerging-Optimizers cites for it), or a Muon
+scale by the matrix's shape: ``"shape_scaling"`` ``sqrt(max(1, fan_out / fan_in))``,
+``"spectral"`` ``sqrt(max(fan_out, fan_in))``, ``"unit_rms_norm"`` ``sqrt(fan_out / fan_in)``.
+
+The SVD runs on whole matrices in float32 at least (``PolarFactorSVD``, a
+``newton_schulz.MatrixMap``): a sharding gathers each matrix to its owner as it does for
+Newton-Schulz, with no narrower wire dtype. The nuclear norm is taken as ``<O, U>``, equal to
+``sum_i S_i`` for the exact polar factor, so that a sharding sums it over row blocks as it does
+PolarGrad's (``polargrad.scale_by_nuclear_norm``). Each piece of a split tensor and each matrix
+of an expert stack is its own matrix.
+
+One difference from Emerging-Optimizers: singular values at rounding level
+(``S_i <= S_max max(rows, cols) eps``, ``torch.linalg.matrix_rank``'s tolerance) span no
+direction of ``U``, and their singular vectors are arbitrary; Emerging-Optimizers keeps them,
+so a zero or low-rank momentum (a first step from a rank-one gradient) moves the weight along
+arbitrary directions. ``PolarFactorSVD`` drops them, as Newton-Schulz maps small singular
+values to small ones. Full-rank updates are unaffected.
+
+The keys are ``MOP``'s constructor names and defaults (Emerging-Optimizers 0.3.0).
+
+References:
+    NVIDIA-NeMo Emerging-Optimizers 0.3.0, ``orthogonalized_optimizers/mop.py`` (``MOP``).
+    Lau, Long, Su, "PolarGrad: A Class of Matrix-Gradient Optimizers from a Unifying
+    Preconditioning Perspective", arXiv 2505.21799, 2025 (the nuclear-norm scale).
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any, Literal
+
+import torch
+from torch import Tensor
+
+from lightning_muon.algorithms.base import StepContext, register_algorithm
+from lightning_muon.algorithms.checks import check_choice, normalize
+from lightning_muon.algorithms.emerging import EmergingVariant, FP32MatmulPrec, WeightDecayMethod, check_emerging
+from lightning_muon.algorithms.muon import MuonRound
+from lightning_muon.algorithms.polargrad import scale_by_nuclear_norm
+from lightning_muon.newton_schulz import MatrixMap
+
+__all__ = ["MOP", "MOPHparams", "MOP_ALGORITHM", "POLAR_FACTOR_SVD", "SCALE_MODES", "PolarFactorSVD", "check_mop"]
+
+# Emerging-Optimizers' MOP scale modes: the nuclear norm, or its Muon's by shape (MuonScaleT).
+SCALE_MODES = ("nuclear_norm", "shape_scaling", "spectral", "unit_rms_norm")
+ScaleMode = Literal["nuclear_norm", "shape_scaling", "spectral", "unit_rms_norm"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class MOPHparams:
+    """MOP groups, with Emerging-Optimizers' ``MOP`` names and defaults."""
+
+    lr: float = 3e-4
+    """Learning rate (peak, before the schedule)."""
+    momentum: float = 0.95
+    """EMA momentum ``mu`` in [0, 1): ``B <- mu B + (1 - mu) G``."""
+    weight_decay: float = 0.01
+    """Weight decay coefficient; how it applies is ``weight_decay_method``."""
+    nesterov: bool = False
+    """Take the polar factor of ``(1 - mu) G + mu B`` instead of ``B``."""
+    weight_decay_method: WeightDecayMethod = "decoupled"
+    """"decoupled" ``W (1 - lr wd)``, "independent" ``W (1 - wd)``, "l2" ``G + wd W``, "palm" ``W (1 - lr^2 wd)``."""
+    fp32_matmul_prec: FP32MatmulPrec = "highest"
+    """``torch.set_float32_matmul_precision`` around a CUDA group's step: "highest", "high" or "medium"."""
+    scale_mode: ScaleMode = "nuclear_norm"
+    """The scale: "nuclear_norm" (the momentum's), or by shape: "shape_scaling", "spectral", "unit_rms_norm"."""
+    extra_scale_factor: float = 1.0
+    """Multiplies the scaled update; > 0."""
+
+    prefix = "mop_"  # not a field: Muon's keywords and MuonConfig's fields are these, prefixed
+
+    def __post_init__(self) -> None:
+        normalize(self, check_mop(dataclasses.asdict(self), "Muon()", self.prefix))
+
+
+def check_mop(group: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
+    """Check MOP's keys in ``group`` (the shared ones: ``check_emerging``); returns the normalized ones to store."""
+    out = check_emerging(group, where, prefix)
+    check_choice(group, "scale_mode", where, SCALE_MODES)
+    return out
+
+
+class PolarFactorSVD(MatrixMap):
+    """``P Q^T`` of the thin SVD ``X = P S Q^T``, without the directions of rounding-level singular values."""
+
+    name = "polar factor by SVD"
+
+    def __call__(self, X: Tensor) -> Tensor:  # (rows, cols), float32 or float64
+        if X.numel() == 0:
+            return X.clone()
+        P, S, Qh = torch.linalg.svd(X, full_matrices=False)  # (rows, k), (k,), (k, cols)
+        # torch.linalg.matrix_rank's tolerance: below it a singular vector is rounding noise
+        # (and all of them for a zero X, which then maps to zero, as Newton-Schulz maps it).
+        tol = S[0] * max(X.shape) * torch.finfo(S.dtype).eps
+        return (P * (tol < S).to(P.dtype)) @ Qh
+
+
+POLAR_FACTOR_SVD = PolarFactorSVD()
+
+
+class MOP(EmergingVariant):
+    """``"mop"``: ``W <- decay(W) - lr extra_scale_factor s polar(U)`` (module docstring)."""
+
+    name = "mop"
+    hparams = MOPHparams
+
+    def ns_options(self, group: dict) -> dict[str, Any]:
+        # The map replaces Newton-Schulz, whose steps and coefficients it ignores; it reads the
+        # updates in float32 at least (a sharding sends them in their own dtype). A float64
+        # "work" dtype makes step_memory's round estimate err high, as an SVD's workspace does.
+        return {"ns_steps": 1, "ns_coefficients": "keller", "ns_dtype": "float64", "ns_method": POLAR_FACTOR_SVD}
+
+    def keeps_updates(self, group: dict) -> bool:
+        return group["scale_mode"] == "nuclear_norm"  # <O, U> reads the updates after the SVD
+
+    def adjust_lr(self, group: dict) -> str:
+        mode = group["scale_mode"]
+        return "none" if mode == "nuclear_norm" else mode  # the by-shape modes are Muon's adjust_lr names
+
+    def normalize(self, ctx: StepContext, group: dict, rnd: MuonRound) -> list[list[Tensor]]:
+        if group["scale_mode"] != "nuclear_norm":
+            return rnd.ortho
+        return scale_by_nuclear_norm(ctx, group, rnd)
+
+    def scale(self, group: dict) -> float:
+        return group["extra_scale_factor"]
+
+
+MOP_ALGORITHM = register_algorithm(MOP())

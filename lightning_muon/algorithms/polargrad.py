@@ -1,0 +1,153 @@
+r"""``"polargrad"`` groups: PolarGrad, Muon's orthogonalized update scaled by the momentum's nuclear norm.
+
+PolarGrad takes the steepest-descent step in the spectral norm: for ``U = P H`` the polar
+decomposition of the update, ``argmin_D <U, D> + ||D||_2^2 / 2 = -||U||_* P``, whose length
+is the nuclear norm ``||U||_* = tr(H) = <P, U>``; Muon and Scion take only the direction ``P``
+(a linear minimization oracle over a ball). For a matrix ``W`` with gradient ``G``::
+
+    W <- decay(W)                                  # weight_decay_method (EmergingVariant)
+    B <- mu B + (1 - mu) G
+    U <- (1 - mu) G + mu B   if nesterov else B
+    O <- NS(U)                                     # Newton-Schulz: coefficient_type, num_ns_steps
+    W <- W - lr extra_scale_factor <O, U> O        # <O, U> = sum_ij O_ij U_ij
+
+Newton-Schulz's ``O`` has singular values near, not at, 1, so ``<O, U>`` stands for the
+nuclear norm as Emerging-Optimizers takes it (``(orth_grad * grad).sum()``). Each matrix has
+its own: every piece of a split tensor, every matrix of an expert stack. Under a sharding the
+sums are whole-matrix sums (``Sharding.reduce_matrix_sums``): nothing moves under DDP, whose
+owners hold whole matrices; one all-reduce of ``K P`` numbers per round under FSDP2 (``K``
+parameters of ``P`` pieces), whose ranks hold row blocks; an expert stack's ranks hold whole
+experts under every sharding, so its sums need no collective. The sums are taken in float32
+at least; the scaled ``O`` is kept in float32 at least.
+
+The keys are ``PolarGrad``'s constructor names and defaults (Emerging-Optimizers 0.3.0),
+plus ``ns_dtype`` (``EmergingVariant``).
+
+References:
+    Lau, Long, Su, "PolarGrad: A Class of Matrix-Gradient Optimizers from a Unifying
+    Preconditioning Perspective", arXiv 2505.21799, 2025.
+    NVIDIA-NeMo Emerging-Optimizers 0.3.0, ``orthogonalized_optimizers/polargrad.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+from torch.distributed.tensor import DTensor
+
+from lightning_muon.algorithms.base import StepContext, register_algorithm
+from lightning_muon.algorithms.checks import normalize
+from lightning_muon.algorithms.emerging import (
+    CoefficientType,
+    EmergingVariant,
+    FP32MatmulPrec,
+    WeightDecayMethod,
+    check_emerging,
+)
+from lightning_muon.algorithms.muon import MuonRound, NSDtype
+from lightning_muon.layout import MatrixLayout, layout_of
+
+__all__ = ["POLARGRAD", "PolarGrad", "PolarGradHparams", "check_polargrad", "scale_by_nuclear_norm"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class PolarGradHparams:
+    """PolarGrad groups, with Emerging-Optimizers' ``PolarGrad`` names and defaults."""
+
+    lr: float = 3e-4
+    """Learning rate (peak, before the schedule)."""
+    momentum: float = 0.95
+    """EMA momentum ``mu`` in [0, 1): ``B <- mu B + (1 - mu) G``."""
+    weight_decay: float = 0.01
+    """Weight decay coefficient; how it applies is ``weight_decay_method``."""
+    nesterov: bool = False
+    """Orthogonalize ``(1 - mu) G + mu B`` instead of ``B``."""
+    weight_decay_method: WeightDecayMethod = "decoupled"
+    """"decoupled" ``W (1 - lr wd)``, "independent" ``W (1 - wd)``, "l2" ``G + wd W``, "palm" ``W (1 - lr^2 wd)``."""
+    fp32_matmul_prec: FP32MatmulPrec = "highest"
+    """``torch.set_float32_matmul_precision`` around a CUDA group's step: "highest", "high" or "medium"."""
+    coefficient_type: CoefficientType = "quintic"
+    """Newton-Schulz coefficients by Emerging-Optimizers' name: "simple", "quintic", "polar_express", "aol", ..."""
+    num_ns_steps: int = 5
+    """Newton-Schulz iterations; >= 1."""
+    extra_scale_factor: float = 1.0
+    """Multiplies the update ``<O, U> O``; > 0."""
+    ns_dtype: NSDtype | None = None
+    """Newton-Schulz dtype: None (automatic: bf16 where its matmul is fast), "float32", "bfloat16", ..."""
+
+    prefix = "polargrad_"  # not a field: Muon's keywords and MuonConfig's fields are these, prefixed
+
+    def __post_init__(self) -> None:
+        normalize(self, check_polargrad(dataclasses.asdict(self), "Muon()", self.prefix))
+
+
+def check_polargrad(group: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
+    """Check PolarGrad's keys in ``group`` (all shared: ``check_emerging``); returns the normalized ones to store."""
+    return check_emerging(group, where, prefix)
+
+
+def scale_by_nuclear_norm(ctx: StepContext, group: dict, rnd: MuonRound) -> list[list[Tensor]]:
+    """Every orthogonalized matrix ``O`` of the round times ``<O, U>``, ``U`` the matrix it came from.
+
+    ``rnd.updates`` must still hold the updates Newton-Schulz (or a map) was fed
+    (``keeps_updates``). For the exact polar factor ``<O, U>`` is the nuclear norm of ``U``
+    (MOP). Returns new pieces, in float32 at least.
+    """
+    layout = layout_of(group)
+    sharding = ctx.sharding
+    local = sharding.local_shard if sharding is not None else (lambda t: t)
+    sums = [_inner_products(local(u), [local(o) for o in pieces], layout) for u, pieces in zip(rnd.updates, rnd.ortho)]
+    if layout.batched:
+        # Whole experts on every rank under every sharding: each (P, B) row is complete here.
+        return [[_times_per_matrix(o, s) for o, s in zip(pieces, per)] for pieces, per in zip(rnd.ortho, sums)]
+    total = torch.stack(sums)  # (K, P): per parameter, this rank's part of each piece's <O, U>
+    if sharding is not None:
+        total = sharding.reduce_matrix_sums(rnd.params, total)
+    # One host sync per round; a DTensor piece (FSDP2) scales by a Python float as it is.
+    return [
+        [o.to(torch.promote_types(o.dtype, torch.float32)) * s for o, s in zip(pieces, row)]
+        for pieces, row in zip(rnd.ortho, total.tolist())
+    ]
+
+
+def _inner_products(u: Tensor, pieces: list[Tensor], layout: MatrixLayout) -> Tensor:
+    """``<O, U>`` per piece over this rank's part, float64: ``(P,)``, or ``(P, B)`` for an expert stack."""
+    out = []
+    for view, o in zip(layout.views(u.contiguous()), pieces):
+        work = torch.promote_types(torch.promote_types(view.dtype, o.dtype), torch.float32)
+        prod = view.reshape(o.shape).to(work) * o.to(work)  # (B?, rows, cols)
+        out.append(prod.sum(dim=(-2, -1)).reshape(-1) if layout.batched else prod.sum())
+    return torch.stack(out).to(torch.float64)
+
+
+def _times_per_matrix(o: Tensor, s: Tensor) -> Tensor:
+    """``o`` (``(B, rows, cols)``; a DTensor's local experts under FSDP2) times ``s[b]`` per matrix, in float32+."""
+    x = o.to_local() if isinstance(o, DTensor) else o
+    work = torch.promote_types(x.dtype, torch.float32)
+    x = x.to(work) * s.to(device=x.device, dtype=work).view(-1, 1, 1)
+    if isinstance(o, DTensor):
+        x = DTensor.from_local(x, o.device_mesh, o.placements, run_check=False, shape=o.shape, stride=o.stride())
+    return x
+
+
+class PolarGrad(EmergingVariant):
+    """``"polargrad"``: ``W <- decay(W) - lr extra_scale_factor <O, U> O`` (module docstring)."""
+
+    name = "polargrad"
+    hparams = PolarGradHparams
+
+    def keeps_updates(self, group: dict) -> bool:
+        return True  # <O, U> reads the updates after Newton-Schulz
+
+    def normalize(self, ctx: StepContext, group: dict, rnd: MuonRound) -> list[list[Tensor]]:
+        return scale_by_nuclear_norm(ctx, group, rnd)
+
+    def scale(self, group: dict) -> float:
+        return group["extra_scale_factor"]  # times the nuclear norm, taken in ``normalize``
+
+
+POLARGRAD = register_algorithm(PolarGrad())

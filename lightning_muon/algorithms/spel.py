@@ -1,0 +1,128 @@
+r"""``"spel"`` groups: SPEL, spectral steepest descent on the Stiefel manifold (Emerging-Optimizers' ``Spel``).
+
+SPEL is the spectral-norm case of manifold-constrained steepest descent: the step is
+Muon's orthogonalized momentum, unscaled, and the weight is then projected back onto the
+orthogonal matrices by the same matrix sign. For a matrix ``W`` with gradient ``G``::
+
+    W <- decay(W)                          # weight_decay_method (EmergingVariant)
+    B <- momentum B + (1 - momentum) G
+    U <- lerp(G, B, momentum) if nesterov else B
+    W <- W - lr msign(U)                   # no shape scale
+    W <- msign(W)
+
+``msign`` is Newton-Schulz with ``coefficient_type`` over ``num_ns_steps`` iterations, both
+times: its singular values land near 1, in the schedule's band, not exactly on it. A decay
+before the projection still acts: it sets how much of the old weight the projected mixture
+``(1 - lr wd) W - lr msign(U)`` keeps against the update.
+
+The projection runs per matrix piece, as the update's does (a fused QKV's pieces, each
+expert of a stack, a conv as ``(out, in * kh * kw)``), through the group's exchange: under
+a sharding the owner of a matrix gathers the weight whole, projects it and hands each rank
+its rows back (FSDP2), or the owner projects the whole matrix it holds (DDP). The update
+hooks do not see the projection.
+
+References:
+    Yang & Lai, "Manifold Constrained Steepest Descent", arXiv 2601.21487, 2026.
+    Bernstein & Newhouse, "Modular Duality in Deep Learning", arXiv 2410.21265, 2024.
+    NVIDIA-NeMo Emerging-Optimizers 0.3.0, ``orthogonalized_optimizers/spel.py``.
+"""
+
+from __future__ import annotations
+
+import dataclasses
+from dataclasses import dataclass
+from typing import Any
+
+import torch
+from torch import Tensor
+
+from lightning_muon.algorithms.base import StepContext, register_algorithm
+from lightning_muon.algorithms.checks import normalize
+from lightning_muon.algorithms.emerging import (
+    CoefficientType,
+    EmergingVariant,
+    FP32MatmulPrec,
+    WeightDecayMethod,
+    check_emerging,
+)
+from lightning_muon.algorithms.muon import MuonRound, NSDtype
+from lightning_muon.layout import MatrixLayout, layout_of
+
+__all__ = ["SPEL", "Spel", "SpelHparams"]
+
+
+@dataclass(frozen=True, kw_only=True)
+class SpelHparams:
+    """SPEL groups, with Emerging-Optimizers' ``Spel`` names and defaults, and our ``ns_dtype``."""
+
+    lr: float = 3e-4
+    """Learning rate (peak, before the schedule); the orthogonalized update is not scaled by shape."""
+    momentum: float = 0.95
+    """EMA momentum ``mu`` in [0, 1): ``B <- mu B + (1 - mu) G``."""
+    weight_decay: float = 0.1
+    """Weight decay coefficient; how it applies is ``weight_decay_method``."""
+    nesterov: bool = False
+    """Orthogonalize ``lerp(G, B, mu)`` instead of ``B``."""
+    weight_decay_method: WeightDecayMethod = "decoupled"
+    """"decoupled" ``W (1 - lr wd)``, "independent" ``W (1 - wd)``, "l2" ``G + wd W``, "palm" ``W (1 - lr^2 wd)``."""
+    fp32_matmul_prec: FP32MatmulPrec = "medium"
+    """``torch.set_float32_matmul_precision`` around the group's step on CUDA: "highest", "high" or "medium"."""
+    coefficient_type: CoefficientType = "quintic"
+    """Newton-Schulz coefficients of both matrix signs: "simple", "quintic", "polar_express", "aol", ..."""
+    num_ns_steps: int = 5
+    """Newton-Schulz iterations of both matrix signs (the update's and the weight's); >= 1."""
+    ns_dtype: NSDtype | None = None
+    """Newton-Schulz dtype: None (automatic: bf16 where its matmul is fast, float64 kept), "float32", ..."""
+
+    prefix = "spel_"  # not a field: the prefix of these knobs among Muon's keywords
+
+    def __post_init__(self) -> None:
+        normalize(self, check_emerging(dataclasses.asdict(self), "Muon()", self.prefix))
+
+
+class Spel(EmergingVariant):
+    """``"spel"``: the unscaled orthogonalized momentum, then the weight projected by its matrix sign."""
+
+    name = "spel"
+    hparams = SpelHparams
+
+    def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
+        # The keys as the group names them first: a bad value there names "lr", not the keyword "spel_lr".
+        check_emerging(values, where, prefix)
+        return super().check(values, where, prefix)
+
+    def scale(self, group: dict) -> float:
+        return 1.0
+
+    @torch.no_grad()
+    def after_update(self, ctx: StepContext, group: dict, rnd: MuonRound) -> None:
+        """``W <- msign(W)``: every piece of every weight, with the group's Newton-Schulz settings."""
+        weights = [p.detach() for p in rnd.params]
+        signs = self.orthogonalize_tensors(ctx, group, rnd.params, weights, rnd.cap, rnd.multi_shapes, observe=False)
+        sharding = ctx.sharding
+        local = sharding.local_shard if sharding is not None else (lambda t: t)
+        _copy_pieces_(rnd.params, signs, layout_of(group), local)
+
+
+def _copy_pieces_(params: list[Tensor], pieces: list[list[Tensor]], layout: MatrixLayout, local=None) -> None:
+    """Write per parameter its pieces (``MatrixLayout.views`` of it) into it, in place.
+
+    ``local`` gives this rank's part of a tensor (``Sharding.local_shard``): under FSDP2 a
+    parameter and its pieces are ``Shard(0)`` DTensors, and this rank's rows of each piece
+    are the pieces of its rows of the parameter (``MuonFSDPSharding.orthogonalize``), so
+    only the local shard is written. Pieces in another dtype (Newton-Schulz's) are cast on
+    the way in.
+    """
+    local = local or (lambda t: t)
+    for p, ps in zip(params, pieces):
+        w = local(p)
+        if w.numel() == 0:
+            continue  # an empty shard (more ranks than rows)
+        target = w if w.is_contiguous() else w.contiguous()  # channels_last convs: write a copy
+        for slot, piece in zip(layout.slots(target), ps):
+            slot.copy_(local(piece).reshape(slot.shape))
+        if target is not w:
+            w.copy_(target)
+
+
+SPEL = register_algorithm(Spel())
