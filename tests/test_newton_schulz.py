@@ -104,6 +104,7 @@ def test_ns_flops_counts_three_matmuls_on_the_short_side():
 #   you     5 steps, floor 5e-3: [0.9778, 1.1115]
 #   polar_express        5 steps, floor 1e-3: [0.8466, 1.1411]
 #   polar_express_paper  8 steps, floor 1e-3: [1 - 3e-15, 1 + 3e-15]
+#   polar_express_megatron  8 steps, floor 1e-3: [1 - 1e-15, 1 + 4e-16] (4-digit tuples, no 1.01 pre-scale)
 #   cans     5 steps, floor 1e-3: [0.8844, 1.1198]
 #   deepseekv4  10 steps, floor 1e-3: [1.0000, 1.0005] (approached from above: the last
 #               tuple's p(x) = 2x - 1.5x^3 + 0.5x^5 has p(1) = 1, p'(1) = 0, p''(1) = 1);
@@ -116,6 +117,7 @@ BANDS = {
     "you": (5, 5e-3, 0.95, 1.15),
     "polar_express": (5, 1e-3, 0.82, 1.17),
     "polar_express_paper": (8, 1e-3, 0.999, 1.001),
+    "polar_express_megatron": (8, 1e-3, 0.999, 1.001),
     "cans": (5, 1e-3, 0.85, 1.15),
     "deepseekv4": (10, 1e-3, 0.999, 1.003),
 }

@@ -430,7 +430,8 @@ def test_scalar_algorithm_lion():
         "lion_no_decay": 1e-4,
     }
     with pytest.raises(
-        ValueError, match=r"scalar_algorithm must be one of \('adamw', 'lion', 'adamw_schedulefree'\), got 'sgd'"
+        ValueError,
+        match=r"scalar_algorithm must be one of \('adamw', 'lion', 'adamw_schedulefree', 'laprop'\), got 'sgd'",
     ):
         route_parameters(model, scalar_algorithm="sgd")
 
