@@ -8,6 +8,14 @@ schedule (linear warmup, stable, linear cooldown) and gradient clipping. The Muo
 routes hidden matrices to Muon and embeddings, head and vectors to AdamW (or, with
 ``scalar_optimizer="adamw_schedulefree"``, to Schedule-Free AdamW); the AdamW run sends
 every parameter to AdamW.
+
+``matrix_optimizer`` swaps Muon on the hidden matrices for another registered matrix
+algorithm (``"adaptive_muon"``, ``"scion"``, ``"polargrad"``, ``"mop"``, ``"spel"``,
+``"sinkhorn_muon"``, ``"soap"``, ``"rekls"``; ``algorithm_names(matrix=True)``), with its own
+hyperparameters in ``matrix_options``; the rest of the run stays the Muon run's.
+``"sinkhorn_muon"`` needs Sinkhorn-normalized weights before its first step, so its hidden
+matrices start as ``sinkhorn_knopp`` of the GPT-2 initialization
+(``sinkhorn_normalize_matrices_``).
 """
 
 from __future__ import annotations
@@ -17,7 +25,7 @@ import os
 import platform
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass
+from dataclasses import asdict, dataclass, field, fields
 from pathlib import Path
 from typing import Any
 
@@ -26,6 +34,9 @@ import torch
 from lightning.pytorch.callbacks import Callback
 
 from lightning_muon import MuonConfig, Rule
+from lightning_muon.algorithms import get_algorithm, get_algorithm_of_kind, sinkhorn_knopp
+from lightning_muon.hparams import BUILTIN_HPARAMS
+from lightning_muon.routing import route_parameters
 from lightning_muon_demo.data import CharTextDataModule
 from lightning_muon_demo.module import CharGPTModule
 
@@ -36,8 +47,10 @@ __all__ = [
     "ValLossRecorder",
     "build_run",
     "machine_name",
+    "matrix_lr_key",
     "muon_config_for",
     "plot_curves",
+    "sinkhorn_normalize_matrices_",
     "steps_to_reach",
     "train",
 ]
@@ -61,7 +74,14 @@ class RunSpec:
     steps: int = 300
     """Optimizer steps."""
     lr: float | None = None
-    """Muon lr for ``"muon"``, AdamW lr for ``"adamw"``; None: ``DEFAULT_LR`` (the best of the quality sweep)."""
+    """The hidden matrices' lr: Muon's for ``"muon"`` (or ``matrix_optimizer``'s, ``matrix_lr_key``), AdamW's for
+    ``"adamw"``; None: ``DEFAULT_LR`` (the best of the quality sweep), or ``matrix_optimizer``'s own default."""
+    matrix_optimizer: str = "muon"
+    """The Muon run's hidden matrices: ``"muon"`` or another registered matrix algorithm (``"adaptive_muon"``,
+    ``"scion"``, ``"polargrad"``, ``"mop"``, ``"spel"``, ``"sinkhorn_muon"``, ``"soap"``, ``"rekls"``, ...)."""
+    matrix_options: dict[str, Any] = field(default_factory=dict)
+    """``matrix_optimizer``'s hyperparameters by their own names, e.g. ``{"moment2_method": "normuon"}``; they
+    become its flat ``MuonConfig`` keywords (``adaptive_muon_moment2_method``). Not ``lr``: that is ``lr``."""
     adamw_lr: float = 3e-3
     """AdamW lr of the Muon run's embeddings, head and vectors."""
     ns_coefficients: str = "polar_express"
@@ -95,6 +115,7 @@ class RunSpec:
                 raise ValueError(f"{name} must be a positive int, got {value!r}")
         if self.lr is not None and not (isinstance(self.lr, (int, float)) and math.isfinite(self.lr) and self.lr > 0):
             raise ValueError(f"lr must be a positive finite number or None, got {self.lr!r}")
+        self._check_matrix_optimizer()
         if self.scalar_optimizer not in SCALAR_OPTIMIZERS:
             raise ValueError(f"scalar_optimizer must be one of {SCALAR_OPTIMIZERS}, got {self.scalar_optimizer!r}")
         if self.scalar_optimizer != "adamw" and self.optimizer != "muon":
@@ -107,18 +128,104 @@ class RunSpec:
             raise ValueError(f"state_dtype must be one of {STATE_DTYPES}, got {self.state_dtype!r}")
         if self.state_dtype != "float32" and self.scalar_optimizer == "adamw_schedulefree":
             raise ValueError("state_dtype='bfloat16' needs scalar_optimizer='adamw' (Schedule-Free keeps its state)")
+        if self.matrix_options:
+            try:  # the values: MuonConfig checks each and names its flat keyword
+                muon_config_for(self)
+            except ValueError as err:
+                raise ValueError(f"matrix_options of {self.matrix_optimizer!r}: {err}") from None
+
+    def _check_matrix_optimizer(self) -> None:
+        # get_algorithm_of_kind names the field and lists the registered matrix algorithms.
+        get_algorithm_of_kind(self.matrix_optimizer, True, "matrix_optimizer")
+        if self.matrix_optimizer != "muon" and self.optimizer != "muon":
+            raise ValueError(
+                f"matrix_optimizer={self.matrix_optimizer!r} needs optimizer='muon' (the AdamW run sends every "
+                "parameter to AdamW)"
+            )
+        if not isinstance(self.matrix_options, dict) or not all(isinstance(k, str) for k in self.matrix_options):
+            raise ValueError(f"matrix_options must be a dict with str keys, got {self.matrix_options!r}")
+        if "lr" in self.matrix_options:
+            raise ValueError(f"matrix_options must not set 'lr': RunSpec.lr is the lr of {self.matrix_optimizer!r}")
+        known = _hparam_names(self.matrix_optimizer)
+        unknown = sorted(set(self.matrix_options) - known)
+        if unknown:
+            raise ValueError(
+                f"matrix_options has keys {unknown} that {self.matrix_optimizer!r} does not take; its keys are "
+                f"{sorted(known - {'lr'})}"
+            )
+        if self.ns_coefficients != "polar_express" and matrix_lr_key(self.matrix_optimizer) != "lr":
+            raise ValueError(
+                f"ns_coefficients is Muon's; {self.matrix_optimizer!r} takes its own coefficients "
+                "(matrix_options={'coefficient_type': ...}), so leave ns_coefficients at 'polar_express'"
+            )
+
+    @property
+    def resolved_lr(self) -> float:
+        """``lr``, or the default it stands for: ``DEFAULT_LR``, or ``matrix_optimizer``'s own default lr."""
+        if self.lr is not None:
+            return self.lr
+        key = matrix_lr_key(self.matrix_optimizer) if self.optimizer == "muon" else "lr"
+        if key == "lr":
+            return DEFAULT_LR[self.optimizer]
+        return get_algorithm(self.matrix_optimizer).hparams().lr
 
     @property
     def label(self) -> str:
-        lr = self.lr if self.lr is not None else DEFAULT_LR[self.optimizer]
-        extra = f", {self.ns_coefficients}" if self.optimizer == "muon" else ""
+        name = self.optimizer if self.matrix_optimizer == "muon" else self.matrix_optimizer
+        # Muon's Newton-Schulz schedule names the runs that use it (Muon, and variants on Muon's keys).
+        muon_keys = self.optimizer == "muon" and matrix_lr_key(self.matrix_optimizer) == "lr"
+        extra = f", {self.ns_coefficients}" if muon_keys else ""
+        extra += "".join(f", {k}={v}" for k, v in self.matrix_options.items())
+        if self.matrix_optimizer == "sinkhorn_muon":
+            extra += ", Sinkhorn-normalized init"
         if self.scalar_optimizer != "adamw":
             extra += f", {self.scalar_optimizer}"
         if self.schedule != "wsd":
             extra += f", {self.schedule}"
         if self.state_dtype != "float32":
             extra += f", {self.state_dtype} state"
-        return f"{self.optimizer} (lr {lr:g}{extra})"
+        return f"{name} (lr {self.resolved_lr:g}{extra})"
+
+
+def _hparam_names(algorithm: str) -> frozenset[str]:
+    """The hyperparameter names of a registered algorithm (its hparams dataclass's fields)."""
+    return frozenset(f.name for f in fields(get_algorithm(algorithm).hparams))
+
+
+def matrix_lr_key(algorithm: str) -> str:
+    """Where ``MuonConfig`` holds ``algorithm``'s lr: ``"lr"`` (Muon's) or ``"<name>_lr"``.
+
+    Muon and its variants without an lr of their own (``"adaptive_muon"``, ``"muon_hyperball"``)
+    take Muon's ``lr``; Emerging-Optimizers' (``"scion"``, ``"soap"``, ...) their prefixed one; an
+    algorithm registered outside the package, the ``lr`` of its ``algorithm_defaults`` entry.
+    """
+    if algorithm == "muon" or "lr" not in _hparam_names(algorithm):
+        return "lr"
+    if algorithm in BUILTIN_HPARAMS:
+        return BUILTIN_HPARAMS[algorithm].prefix + "lr"
+    return f"algorithm_defaults[{algorithm!r}]['lr']"
+
+
+def _matrix_kwargs(spec: RunSpec) -> dict[str, Any]:
+    """``MuonConfig`` keywords that put ``spec.matrix_optimizer`` on the hidden matrices at ``spec.lr``.
+
+    A built-in algorithm's options become its flat keywords (``prefix + key``); a user's go to
+    ``algorithm_defaults``.
+    """
+    name, lr = spec.matrix_optimizer, spec.resolved_lr
+    if name == "muon":
+        return {"lr": lr, **spec.matrix_options}
+    own = dict(spec.matrix_options)
+    out: dict[str, Any] = {"matrix_optimizer": name}
+    if matrix_lr_key(name) == "lr":
+        out["lr"] = lr
+    else:
+        own["lr"] = lr
+    if name in BUILTIN_HPARAMS:
+        out.update({BUILTIN_HPARAMS[name].prefix + k: v for k, v in own.items()})
+    elif own:
+        out["algorithm_defaults"] = {name: own}
+    return out
 
 
 def muon_config_for(spec: RunSpec) -> MuonConfig:
@@ -132,13 +239,17 @@ def muon_config_for(spec: RunSpec) -> MuonConfig:
         schedule = dict(falloff="constant", warmup=0.05, total_steps=spec.steps)
     state = dict(exp_avg_dtype=spec.state_dtype, exp_avg_sq_dtype=spec.state_dtype)
     if spec.optimizer == "muon":
-        return MuonConfig(
-            lr=DEFAULT_LR["muon"] if spec.lr is None else spec.lr,
+        muon = dict(
+            lr=DEFAULT_LR["muon"],
             momentum=0.95,
             weight_decay=0.01,
             ns_coefficients=spec.ns_coefficients,
             # Moonlight's scale: the Muon update has AdamW's RMS, so weight decay and lr transfer.
             adjust_lr="match_rms_adamw",
+        )
+        # Another matrix algorithm keeps Muon's keys (adaptive_muon reads them) and sets its own.
+        return MuonConfig(
+            **{**muon, **_matrix_kwargs(spec)},
             scalar_optimizer=spec.scalar_optimizer,
             adamw_lr=spec.adamw_lr,
             adamw_weight_decay=0.01,
@@ -176,16 +287,43 @@ class ValLossRecorder(Callback):
         self.val_loss.append(float(trainer.callback_metrics["val_loss"]))
 
 
+@torch.no_grad()
+def sinkhorn_normalize_matrices_(module: torch.nn.Module, config: MuonConfig) -> list[str]:
+    """Replace every weight ``config`` routes to ``"sinkhorn_muon"`` by its ``sinkhorn_knopp`` map; their names.
+
+    ``"sinkhorn_muon"`` refuses weights that are not Sinkhorn-normalized (non-negative, rows
+    and columns summing to their targets) when its group is made, so this runs between the
+    model's initialization and the optimizer's construction.
+    """
+    params = dict(module.named_parameters())
+    names = [
+        name
+        for group in route_parameters(module, **config.routing_kwargs())
+        if group["algorithm"] == "sinkhorn_muon"
+        for name in group["param_names"]
+    ]
+    for name in names:
+        params[name].copy_(sinkhorn_knopp(params[name]))
+    return names
+
+
 def build_run(spec: RunSpec) -> tuple[CharGPTModule, CharTextDataModule]:
-    """The module and data of ``spec``, the model initialised at ``spec.seed`` (``train`` fits them)."""
+    """The module and data of ``spec``, the model initialised at ``spec.seed`` (``train`` fits them).
+
+    With ``matrix_optimizer="sinkhorn_muon"`` the hidden matrices then start Sinkhorn-normalized
+    (``sinkhorn_normalize_matrices_``): the only start that algorithm accepts.
+    """
     pl.seed_everything(spec.seed, verbose=False)
+    config = muon_config_for(spec)
     module = CharGPTModule(
         block_size=spec.block_size,
         n_layer=spec.n_layer,
         n_head=spec.n_head,
         n_embd=spec.n_embd,
-        muon_config=muon_config_for(spec),
+        muon_config=config,
     )
+    if spec.matrix_optimizer == "sinkhorn_muon":
+        sinkhorn_normalize_matrices_(module, config)
     data = CharTextDataModule(
         block_size=spec.block_size,
         batch_size=spec.batch_size,

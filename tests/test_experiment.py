@@ -2,10 +2,22 @@
 
 from __future__ import annotations
 
-import pytest
+import math
 
+import pytest
+import torch
+
+from lightning_muon.algorithms.sinkhorn_muon import sinkhorn_targets
 from lightning_muon.routing import route_parameters
-from lightning_muon_demo.experiment import RunSpec, muon_config_for, steps_to_reach, train
+from lightning_muon_demo.experiment import (
+    RunSpec,
+    build_run,
+    matrix_lr_key,
+    muon_config_for,
+    sinkhorn_normalize_matrices_,
+    steps_to_reach,
+    train,
+)
 from lightning_muon_demo.models import CharGPT
 
 
@@ -26,6 +38,14 @@ def test_steps_to_reach_is_the_first_step_at_or_below_the_target():
         (dict(schedule="cosine"), "schedule must be one of"),
         (dict(state_dtype="float16"), "state_dtype must be one of"),
         (dict(state_dtype="bfloat16", scalar_optimizer="adamw_schedulefree"), "needs scalar_optimizer='adamw'"),
+        (dict(matrix_optimizer="adamw"), "matrix_optimizer must be one of"),
+        (dict(optimizer="adamw", matrix_optimizer="scion"), "needs optimizer='muon'"),
+        (dict(matrix_optimizer="scion", matrix_options=["momentum"]), "matrix_options must be a dict"),
+        (dict(matrix_optimizer="scion", matrix_options={"lr": 0.1}), "must not set 'lr'"),
+        (dict(matrix_optimizer="scion", matrix_options={"weight_decay": 0.1}), r"keys \['weight_decay'\] that 'scion'"),
+        (dict(matrix_optimizer="adaptive_muon", matrix_options={"moment2_method": "adam"}), "moment2_method"),
+        (dict(matrix_optimizer="soap", matrix_options={"betas": (0.9, 1.5)}), "matrix_options of 'soap'"),
+        (dict(matrix_optimizer="scion", ns_coefficients="keller"), "ns_coefficients is Muon's"),
     ],
 )
 def test_bad_specs_name_the_field(kwargs, message):
@@ -66,3 +86,70 @@ def test_the_schedule_free_run_keeps_muon_and_a_constant_schedule():
     model = CharGPT(256, 16, 1, 2, 32, 0.0, False)
     groups = route_parameters(model, **config.routing_kwargs())
     assert {g["algorithm"] for g in groups} == {"muon", "adamw_schedulefree"}
+
+
+HIDDEN = {"blocks.0.attn.qkv.weight", "blocks.0.attn.proj.weight", "blocks.0.mlp.fc1.weight", "blocks.0.mlp.fc2.weight"}
+
+
+@pytest.mark.parametrize(
+    ("algorithm", "options", "lr_key"),
+    [
+        ("adaptive_muon", {"moment2_method": "normuon"}, "lr"),  # Muon's lr and keys
+        ("scion", {"spectral_radius": 2.0}, "scion_lr"),
+        ("polargrad", {}, "polargrad_lr"),
+        ("mop", {}, "mop_lr"),
+        ("spel", {}, "spel_lr"),
+        ("sinkhorn_muon", {}, "sinkhorn_muon_lr"),
+        ("soap", {"use_kl_shampoo": False}, "soap_lr"),
+        ("rekls", {}, "rekls_lr"),
+    ],
+)
+def test_a_matrix_optimizer_takes_the_hidden_matrices_at_lr(algorithm, options, lr_key):
+    spec = RunSpec(matrix_optimizer=algorithm, matrix_options=options, lr=0.0123)
+    config = muon_config_for(spec)
+    assert matrix_lr_key(algorithm) == lr_key and getattr(config, lr_key) == 0.0123
+    prefix = "" if algorithm == "muon" else f"{algorithm}_"
+    for key, value in options.items():
+        assert getattr(config, prefix + key) == value
+    assert (config.matrix_optimizer, config.adamw_lr) == (algorithm, 3e-3)  # the rest stays the Muon run's
+    model = CharGPT(256, 16, 1, 2, 32, 0.0, False)
+    groups = route_parameters(model, **config.routing_kwargs())
+    assert {n for g in groups if g["algorithm"] == algorithm for n in g["param_names"]} == HIDDEN
+    assert {g["algorithm"] for g in groups} == {algorithm, "adamw"}
+    assert spec.label.startswith(f"{algorithm} (lr 0.0123")
+
+
+def test_the_lr_of_a_matrix_optimizer_defaults_to_its_own():
+    assert RunSpec(matrix_optimizer="soap").resolved_lr == 3e-3  # SOAPHparams.lr
+    assert RunSpec(matrix_optimizer="adaptive_muon").resolved_lr == 0.01  # Muon's DEFAULT_LR
+    assert RunSpec(optimizer="adamw").resolved_lr == 3e-3
+    spec = RunSpec(matrix_optimizer="adaptive_muon", matrix_options={"moment2_method": "normuon"}, lr=0.02)
+    assert spec.label == "adaptive_muon (lr 0.02, polar_express, moment2_method=normuon)"
+
+
+def _sinkhorn_normalized(w: torch.Tensor) -> bool:
+    rows, cols = sinkhorn_targets(*w.shape)
+    return bool(
+        w.min() >= 0
+        and torch.allclose(w.sum(dim=-1), torch.full((w.shape[0],), rows), atol=1e-4)
+        and torch.allclose(w.sum(dim=-2), torch.full((w.shape[1],), cols), atol=1e-2)
+    )
+
+
+def test_sinkhorn_muon_runs_start_from_sinkhorn_normalized_hidden_matrices():
+    spec = RunSpec(matrix_optimizer="sinkhorn_muon", lr=0.1, n_layer=1, n_head=2, n_embd=32, block_size=16)
+    assert spec.label == "sinkhorn_muon (lr 0.1, Sinkhorn-normalized init)"
+    module, _ = build_run(spec)
+    params = dict(module.model.named_parameters())
+    assert all(_sinkhorn_normalized(params[name]) for name in HIDDEN)
+    assert not _sinkhorn_normalized(params["lm_head.weight"])  # on AdamW: the GPT-2 initialization
+    # Only sinkhorn_muon's matrices are mapped.
+    plain = CharGPT(256, 16, 1, 2, 32, 0.0, False)
+    assert sinkhorn_normalize_matrices_(plain, muon_config_for(RunSpec())) == []
+
+
+def test_every_new_matrix_optimizer_trains_a_few_steps():
+    tiny = dict(steps=2, eval_every=2, n_layer=1, n_head=2, n_embd=32, block_size=16, batch_size=4, val_samples=4)
+    for algorithm in ("sinkhorn_muon", "soap", "polargrad"):  # the checked start, the non-Newton-Schulz, the scale
+        result = train(RunSpec(matrix_optimizer=algorithm, **tiny))
+        assert result["steps"] == [2] and math.isfinite(result["val_loss"][-1]), algorithm
