@@ -3,10 +3,9 @@
 from __future__ import annotations
 
 import dataclasses
-
-import jsonargparse
 import inspect
 
+import jsonargparse
 import pytest
 import torch
 from jsonargparse_compat import instantiate
@@ -54,7 +53,8 @@ def test_defaults_are_valid_and_build_the_optimizer():
         (
             "scalar_optimizer",
             "sgd",
-            r"MuonConfig\.scalar_optimizer must be one of \('adamw', 'lion', 'adamw_schedulefree', 'laprop'\), got 'sgd'",
+            r"MuonConfig\.scalar_optimizer must be one of "
+            r"\('adamw', 'lion', 'adamw_schedulefree', 'laprop'\), got 'sgd'",
         ),
         ("adamw_schedulefree_lr", -1.0, r"MuonConfig\.adamw_schedulefree_lr: .*adamw_schedulefree_lr must be"),
         (

@@ -37,7 +37,9 @@ def test_megatron_names_map_onto_ours():
     assert MuonConfig(coefficient_type="deepseekv4", num_ns_steps=10).ns_coefficients == "deepseekv4"
     # Megatron's polar_express numbers are the paper's divided by the 1.01 safety, to 4 digits.
     paper, megatron = COEFFICIENTS["polar_express_paper"], COEFFICIENTS["polar_express_megatron"]
-    assert_close(torch.tensor(paper, dtype=torch.float64), torch.tensor(megatron, dtype=torch.float64), atol=1.1e-4, rtol=0)
+    assert_close(
+        torch.tensor(paper, dtype=torch.float64), torch.tensor(megatron, dtype=torch.float64), atol=1.1e-4, rtol=0
+    )
 
 
 def test_megatron_settings_build_the_same_optimizer_as_ours():

@@ -41,7 +41,9 @@ SECOND_MOMENTS = dict(
     tp_mode="distributed",  # from MuonConfig: the strategy leaves tp_mode=None
     rules=[
         Rule(name="normuon", algorithm="muon", names="*fc*", min_ndim=2, options={"second_moment": "normuon_rms"}),
-        Rule(name="adamuon", algorithm="muon", names="*attn.[qv]*", min_ndim=2, options={"second_moment": "adamuon_rms"}),
+        Rule(
+            name="adamuon", algorithm="muon", names="*attn.[qv]*", min_ndim=2, options={"second_moment": "adamuon_rms"}
+        ),
     ],
 )
 # MuonHyperball on the hidden matrices: its norms span blocks split on both mesh dims and a

@@ -252,7 +252,9 @@ def _train(net, opt, steps):
 ALL_ON = dict(momentum_form="sum", second_moment="normuon_rms", weight_decay_form="cautious", ns_method="gram")
 
 
-@pytest.mark.parametrize("variant", [ALL_ON, dict(second_moment="adamuon_rms", sign_momentum=True)], ids=["normuon", "ada"])
+@pytest.mark.parametrize(
+    "variant", [ALL_ON, dict(second_moment="adamuon_rms", sign_momentum=True)], ids=["normuon", "ada"]
+)
 def test_state_dict_round_trip_resumes_exactly(variant):
     torch.manual_seed(0)
     net = _net()
@@ -300,7 +302,11 @@ def test_groups_from_an_older_checkpoint_get_the_new_knobs():
     ("kwargs", "match"),
     [
         ({"momentum_form": "nesterov"}, r"momentum_form must be one of \('ema', 'sum'\), got 'nesterov'"),
-        ({"second_moment": "adam"}, r"second_moment must be one of \(None, 'normuon', 'adamuon', 'namo', 'normuon_rms', 'adamuon_rms'\), got 'adam'"),
+        (
+            {"second_moment": "adam"},
+            r"second_moment must be one of "
+            r"\(None, 'normuon', 'adamuon', 'namo', 'normuon_rms', 'adamuon_rms'\), got 'adam'",
+        ),
         ({"second_moment_beta2": 1.0}, r"second_moment_beta2 must be a finite number in \[0.0, 1.0\)"),
         ({"second_moment_eps": 0.0}, r"second_moment_eps must be a finite number in \(0.0"),
         ({"weight_decay_form": "l2"}, r"weight_decay_form must be one of \('decoupled', 'cautious'\)"),
