@@ -97,6 +97,11 @@ class StepContext:
         """The ``Sharding`` that splits per-matrix work across ranks, or None (one process)."""
         return self._optimizer.sharding
 
+    def local_shard(self, t: Tensor) -> Tensor:
+        """This rank's part of ``t`` (a DTensor's local shard under a sharding); ``t`` itself in one process."""
+        sharding = self._optimizer.sharding
+        return t if sharding is None else sharding.local_shard(t)
+
     @property
     def has_update_hooks(self) -> bool:
         """True when an update hook is registered (``Muon.register_update_hook``)."""

@@ -447,8 +447,7 @@ class MuonAlgorithm(Algorithm):
             return
         layout = layout_of(group)
         sharding = ctx.sharding
-        local = sharding.local_shard if sharding is not None else (lambda t: t)
-        sums = namo_norms(rnd.grads, rnd.updates, layout, local)  # (K, 2) this rank's part
+        sums = namo_norms(rnd.grads, rnd.updates, layout, ctx.local_shard)  # (K, 2) this rank's part
         if sharding is not None and not layout.batched:
             sums = sharding.reduce_matrix_sums(rnd.params, sums)  # whole matrices
         rnd.extras["namo"] = sums

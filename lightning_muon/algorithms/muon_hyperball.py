@@ -113,7 +113,7 @@ class MuonHyperball(MuonAlgorithm):
         if radius is not None:
             # Onto the sphere before the first step: a parameter without state has not stepped yet
             # (a resumed one has, and is on it already; rescaling it again would only round it).
-            layout, local = layout_of(group), _local_view(ctx)
+            layout, local = layout_of(group), ctx.local_shard
             for p in params:
                 if set(ctx.state[p]) - {MAIN_PARAM}:  # a master copy alone is made before the first step
                     continue
@@ -132,7 +132,7 @@ class MuonHyperball(MuonAlgorithm):
         if group["weight_decay"] != 0.0:
             torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
         sharding = ctx.sharding
-        local = _local_view(ctx)
+        local = ctx.local_shard
         layout = layout_of(group)
         if layout.batched:
             for p, pieces in zip(params, ortho):
@@ -153,11 +153,6 @@ class MuonHyperball(MuonAlgorithm):
             target.mul_(R / max(new_norm, eps))
             if target is not p:
                 p.copy_(target)
-
-
-def _local_view(ctx: StepContext):
-    sharding = ctx.sharding
-    return sharding.local_shard if sharding is not None else (lambda t: t)
 
 
 def _b(slot: Tensor) -> tuple[int, ...]:

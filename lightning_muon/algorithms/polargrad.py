@@ -99,7 +99,7 @@ def scale_by_nuclear_norm(ctx: StepContext, group: dict, rnd: MuonRound) -> list
     """
     layout = layout_of(group)
     sharding = ctx.sharding
-    local = sharding.local_shard if sharding is not None else (lambda t: t)
+    local = ctx.local_shard
     sums = [_inner_products(local(u), [local(o) for o in pieces], layout) for u, pieces in zip(rnd.updates, rnd.ortho)]
     if layout.batched:
         # Whole experts on every rank under every sharding: each (P, B) row is complete here.

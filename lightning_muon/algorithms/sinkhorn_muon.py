@@ -255,8 +255,7 @@ class SinkhornMuon(EmergingVariant):
         mapped = self.orthogonalize_tensors(
             ctx, group, rnd.params, weights, rnd.cap, rnd.multi_shapes, ns_method=mapping, observe=False
         )
-        sharding = ctx.sharding
-        local = sharding.local_shard if sharding is not None else (lambda t: t)
+        local = ctx.local_shard
         for p, (piece,) in zip(rnd.params, mapped):
             w = local(p)
             if w.numel():

@@ -99,8 +99,7 @@ class Spel(EmergingVariant):
         """``W <- msign(W)``: every piece of every weight, with the group's Newton-Schulz settings."""
         weights = [p.detach() for p in rnd.params]
         signs = self.orthogonalize_tensors(ctx, group, rnd.params, weights, rnd.cap, rnd.multi_shapes, observe=False)
-        sharding = ctx.sharding
-        local = sharding.local_shard if sharding is not None else (lambda t: t)
+        local = ctx.local_shard
         _copy_pieces_(rnd.params, signs, layout_of(group), local)
 
 
