@@ -117,6 +117,8 @@ class MuonConfig(OptimizerFields):
     """Mixture-of-experts fused gate/up stacks: orthogonalize gate and up apart, per expert (False: fused)."""
     router_algorithm: str | None = None
     """Mixture-of-experts router weights: None keeps them on the scalar optimizer; "muon" sends them to Muon."""
+    probe_experts: bool = True
+    """Read mixture-of-experts layouts and routers transformers' metadata does not give from the model's forward."""
     # --- schedule ------------------------------------------------------------------------
     falloff: Falloff = _SCHEDULE.falloff
     """lr falloff after warmup and stable: constant, linear, cosine, wsd, inverse_sqrt."""
@@ -329,6 +331,7 @@ def _compose(config: MuonConfig) -> tuple[OptimizerConfig, RoutingConfig, Schedu
         matrix_algorithm=config.matrix_optimizer,
         split_gate_up=config.split_gate_up,
         router_algorithm=config.router_algorithm,
+        probe_experts=config.probe_experts,
     )
     return optimizer, routing, schedule
 

@@ -245,8 +245,8 @@ def second_moment_shape(shape: Sequence[int], method: str, layout: MatrixLayout)
     if method in ("adamuon", "adamuon_rms"):
         return shape
     if method == "namo":
-        return shape[:-2] if layout.batched else ()
-    m = list(shape) if layout.batched else [shape[0], math.prod(shape[1:])]
+        return layout.batch_shape(shape)
+    m = list(layout.batch_view_shape(shape))
     m[stat_axis(method, layout, shape)] = 1
     return tuple(m)
 
@@ -269,9 +269,9 @@ def second_moment_buffer(p: Tensor, method: str, layout: MatrixLayout, dtype: to
         return torch.zeros_like(p, dtype=dtype, memory_format=torch.contiguous_format)
     if method == "namo":
         if layout.batched:
-            return torch.zeros_like(p[..., 0, 0], dtype=dtype, memory_format=torch.contiguous_format)
+            return torch.zeros_like(layout.as_batch(p)[..., 0, 0], dtype=dtype, memory_format=torch.contiguous_format)
         return torch.zeros((), dtype=dtype or p.dtype, device=p.device)
-    m = p if layout.batched else p.reshape(p.shape[0], -1)
+    m = layout.as_batch(p)
     first = m[..., :1, :] if stat_axis(method, layout, p.shape) == -2 else m[..., :1]
     return torch.zeros_like(first, dtype=dtype, memory_format=torch.contiguous_format)
 
@@ -380,8 +380,8 @@ def namo_norms(
         work = torch.promote_types(g.dtype, torch.float32)
         if layout.batched:
             dims = (-2, -1)
-            gg = g.to(work).square().sum(dim=dims).reshape(-1)
-            uu = u.to(work).square().sum(dim=dims).reshape(-1)
+            gg = layout.as_batch(g).to(work).square().sum(dim=dims).reshape(-1)
+            uu = layout.as_batch(u).to(work).square().sum(dim=dims).reshape(-1)
             rows.append(torch.stack([gg, uu], dim=1))
         else:
             gg = torch.linalg.vector_norm(g, dtype=work).square()

@@ -6,6 +6,9 @@ a tensor into the matrices Newton-Schulz sees, and which way each of them faces:
 - ``batched``: a ``(..., rows, cols)`` tensor is a batch of matrices, one per index of the
   leading dims (mixture-of-experts stacks: ``(E, out, in)``). Otherwise the tensor is one
   ``(dim 0, rest)`` matrix (a conv kernel: ``(out, in * kh * kw)``).
+- ``blocks``: with ``batched``, a 2-D tensor whose dim 0 holds that many matrices one after
+  another: DBRX stores its experts as ``(E * F, H)``, a batch of ``E`` matrices of ``F`` rows
+  (``as_batch`` views it ``(E, F, H)``, no copy).
 - ``transposed``: each matrix is stored ``(fan_in, fan_out)``, the transpose of
   ``nn.Linear``'s weight (transformers' ``Conv1D``, GPT-OSS's experts). The output axis is
   then the last one. The matrices keep the stored layout (the polar factor of a transpose is
@@ -40,7 +43,7 @@ from torch import Tensor
 __all__ = ["LAYOUT_KEYS", "MatrixLayout", "layout_of"]
 
 # The param-group keys that hold a layout (``split_parts`` is resolved into ``split_sizes``).
-LAYOUT_KEYS = ("split_sizes", "batched", "transposed")
+LAYOUT_KEYS = ("split_sizes", "batched", "transposed", "blocks")
 
 
 @dataclass(frozen=True)
@@ -53,12 +56,19 @@ class MatrixLayout:
     """The leading dims index a batch of matrices (expert stacks)."""
     transposed: bool = False
     """Each matrix is stored ``(fan_in, fan_out)``."""
+    blocks: int | None = None
+    """With ``batched``: the matrices of a 2-D tensor, one after another along dim 0 (``(E * F, H)``)."""
 
     def __post_init__(self) -> None:
         if not isinstance(self.batched, bool):
             raise ValueError(f"batched must be a bool, got {self.batched!r}")
         if not isinstance(self.transposed, bool):
             raise ValueError(f"transposed must be a bool, got {self.transposed!r}")
+        if self.blocks is not None:
+            if isinstance(self.blocks, bool) or not isinstance(self.blocks, int) or self.blocks < 1:
+                raise ValueError(f"blocks must be a positive int or None, got {self.blocks!r}")
+            if not self.batched:
+                raise ValueError(f"blocks={self.blocks} needs batched=True (the blocks are a batch of matrices)")
         sizes = self.split_sizes
         if sizes is not None:
             if isinstance(sizes, (str, bytes)) or not isinstance(sizes, Sequence) or not sizes:
@@ -70,14 +80,41 @@ class MatrixLayout:
     # ------------------------------------------------------------------ shapes
 
     def out_axis(self, ndim: int) -> int:
-        """The stored axis (of a tensor with ``ndim`` dims) that holds each matrix's outputs."""
+        """The axis of the batch view (``as_batch``; the tensor itself unless ``blocks``) that holds outputs."""
+        if self.blocks is not None:
+            ndim = 3
         if self.batched:
             return ndim - 1 if self.transposed else ndim - 2
         return 1 if self.transposed else 0
 
+    def batch_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The batch dims of a tensor of ``shape``: ``(E,)`` for a stack ``(E, rows, cols)``, ``()`` if not batched."""
+        shape = tuple(shape)
+        if self.blocks is not None:
+            return (self.blocks,)
+        return shape[:-2] if self.batched else ()
+
+    def batch_view_shape(self, shape: Sequence[int]) -> tuple[int, ...]:
+        """The shape ``as_batch`` gives: ``(*batch_shape, rows, cols)``, or the ``(dim 0, rest)`` matrix."""
+        shape = tuple(shape)
+        if self.blocks is not None:
+            return (self.blocks, shape[0] // self.blocks, *shape[1:])
+        if self.batched:
+            return shape
+        return (shape[0], math.prod(shape[1:]))
+
+    def as_batch(self, t: Tensor) -> Tensor:
+        """``t`` as its batch of matrices ``(..., rows, cols)`` (a stack as it is, DBRX's ``(E * F, H)`` as
+        ``(E, F, H)``), or as its one ``(dim 0, rest)`` matrix: a view of a contiguous tensor."""
+        if self.batched and self.blocks is None:
+            return t
+        return (
+            t.view(self.batch_view_shape(t.shape)) if t.is_contiguous() else t.reshape(self.batch_view_shape(t.shape))
+        )
+
     def matrix_form(self, shape: Sequence[int]) -> tuple[int, int, int]:
         """``(B, rows, cols)``: the tensor as a batch of stored matrices (``B = 1`` unless batched)."""
-        shape = tuple(shape)
+        shape = self.batch_view_shape(shape) if self.blocks is not None else tuple(shape)
         if self.batched:
             return math.prod(shape[:-2]), shape[-2], shape[-1]
         return 1, shape[0], math.prod(shape[1:])
@@ -170,7 +207,13 @@ class MatrixLayout:
                 f"{label}: Muon needs a matrix, got a {p.ndim}-D tensor of shape {shape}; "
                 "route it to 'adamw', 'lion' or 'adamw_schedulefree'"
             )
-        if self.batched and p.ndim < 3:
+        if self.blocks is not None:
+            if p.ndim != 2 or shape[0] % self.blocks:
+                raise ValueError(
+                    f"{label}: blocks={self.blocks} needs a 2-D tensor whose dim 0 is a multiple of it, got shape "
+                    f"{shape}"
+                )
+        elif self.batched and p.ndim < 3:
             raise ValueError(f"{label}: batched=True needs a tensor with 3+ dims, got shape {shape}")
         if self.transposed and not self.batched and p.ndim != 2:
             raise ValueError(
@@ -180,11 +223,12 @@ class MatrixLayout:
         if self.split_sizes is not None:
             axis = self.out_axis(p.ndim)
             total = sum(self.split_sizes)
-            if shape[axis] % total != 0:
+            if self.batch_view_shape(shape)[axis] % total != 0:
                 what = "a (fan_in, fan_out) weight, transposed=True" if self.transposed else "a (fan_out, ...) weight"
+                size = self.batch_view_shape(shape)[axis]
                 raise ValueError(
                     f"{label}: split_sizes {self.split_sizes} sum to {total}, but dim {axis} has size "
-                    f"{shape[axis]}, not a multiple of it (dim {axis} is the output axis of {what}, shape {shape})"
+                    f"{size}, not a multiple of it (dim {axis} is the output axis of {what}, shape {shape})"
                 )
 
     def describe(self, shape: Sequence[int] | None = None) -> str:
@@ -198,21 +242,21 @@ class MatrixLayout:
         return face
 
     def options(self) -> dict[str, Any]:
-        """The param-group keys that store this layout."""
-        return {"split_sizes": self.split_sizes, "batched": self.batched, "transposed": self.transposed}
+        """The param-group keys that store this layout (``blocks`` only where it is set)."""
+        options = {"split_sizes": self.split_sizes, "batched": self.batched, "transposed": self.transposed}
+        return options if self.blocks is None else {**options, "blocks": self.blocks}
 
 
 @functools.lru_cache(maxsize=256)
-def _cached(split_sizes: tuple[int, ...] | None, batched: bool, transposed: bool) -> MatrixLayout:
-    return MatrixLayout(split_sizes, batched, transposed)
+def _cached(split_sizes: tuple[int, ...] | None, batched: bool, transposed: bool, blocks: int | None) -> MatrixLayout:
+    return MatrixLayout(split_sizes, batched, transposed, blocks)
 
 
 def layout_of(group: Mapping[str, Any]) -> MatrixLayout:
-    """The layout a Muon param group stores (its ``split_sizes``, ``batched`` and ``transposed`` keys)."""
+    """The layout a Muon param group stores (its ``split_sizes``, ``batched``, ``transposed`` and ``blocks`` keys)."""
     sizes = group.get("split_sizes")
+    batched, transposed, blocks = group.get("batched", False), group.get("transposed", False), group.get("blocks")
     try:
-        return _cached(
-            tuple(sizes) if sizes is not None else None, group.get("batched", False), group.get("transposed", False)
-        )
+        return _cached(tuple(sizes) if sizes is not None else None, batched, transposed, blocks)
     except (TypeError, ValueError):  # a malformed value: build it uncached, so the error shows it as given
-        return MatrixLayout(sizes, group.get("batched", False), group.get("transposed", False))
+        return MatrixLayout(sizes, batched, transposed, blocks)

@@ -25,10 +25,17 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_muon import MuonConfig, MuonModuleMixin
+from lightning_muon import MuonConfig, MuonModuleMixin, Rule
 
 VOCAB, D, INTER, E, SEQ, SAMPLES = 32, 16, 12, 4, 8, 8
-CONFIG = dict(lr=0.05, weight_decay=0.1, ns_dtype="float32", adamw_lr=1e-2, warmup=1)
+# The experts' forward communicates across the expert dim, which the routing's probe does not run: a
+# rule says how they are laid out ((E, out, in), gate rows then up rows).
+EXPERT_RULES = (
+    Rule(name="expert_gate_up", algorithm="muon", names="*experts.gate_up_proj", experts="out_in",
+         group="muon_experts_gate_up", options={"split_parts": 2}),
+    Rule(name="expert_down", algorithm="muon", names="*experts.down_proj", experts="out_in", group="muon_experts"),
+)  # fmt: skip
+CONFIG = dict(lr=0.05, weight_decay=0.1, ns_dtype="float32", adamw_lr=1e-2, warmup=1, rules=EXPERT_RULES)
 
 
 class _SumOverExperts(torch.autograd.Function):

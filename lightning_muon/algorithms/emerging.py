@@ -161,7 +161,7 @@ class EmergingVariant(MuonAlgorithm):
     def group_defaults(self, config: HparamsSource) -> dict[str, Any]:
         return {
             **dataclasses.asdict(config.hparams_of(self.name)),
-            **{key: None if key == "split_sizes" else False for key in LAYOUT_KEYS},
+            **{key: None if key in ("split_sizes", "blocks") else False for key in LAYOUT_KEYS},
         }
 
     def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:

@@ -203,10 +203,12 @@ def resolve_split_parts(group: dict[str, Any], params: list[Tensor], where: str)
         raise ValueError(f"{where}: split_parts must be a positive int, got {parts!r}")
     if group.get("split_sizes") is not None:
         raise ValueError(f"{where}: set split_parts or split_sizes, not both")
-    layout = MatrixLayout(batched=bool(group.get("batched")), transposed=bool(group.get("transposed")))
+    layout = MatrixLayout(
+        batched=bool(group.get("batched")), transposed=bool(group.get("transposed")), blocks=group.get("blocks")
+    )
     axes = {layout.out_axis(p.ndim) for p in params if p.ndim >= 2} or {0}
     axis = min(axes)
-    sizes = {p.shape[layout.out_axis(p.ndim)] for p in params if p.ndim >= 2}
+    sizes = {layout.batch_view_shape(p.shape)[layout.out_axis(p.ndim)] for p in params if p.ndim >= 2}
     if len(sizes) > 1:
         raise ValueError(f"{where}: split_parts={parts} needs one output size in the group, got {sorted(sizes)}")
     (size,) = sizes or {parts}
@@ -288,6 +290,7 @@ class MuonAlgorithm(Algorithm):
             "split_sizes": None,
             "batched": False,
             "transposed": False,
+            "blocks": None,
             "second_moment_version": SECOND_MOMENT_VERSION,
         }
 

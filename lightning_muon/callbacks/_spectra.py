@@ -351,8 +351,8 @@ def _ratio(a: float, b: float) -> float:
 
 def _matrix_sums_of_squares(target: Target) -> Tensor:
     """Sum of squares of each matrix Muon makes of the (DTensor) parameter, on the CPU, in ``views`` order."""
-    w = target.param.detach()
     layout = layout_of(target.group)
+    w = layout.as_batch(target.param.detach()) if layout.blocks is not None else target.param.detach()
     if layout.split_sizes is None:
         # One value per matrix; Shard(0) stays sharded over the leading dims (rows or experts).
         per = (w * w).sum(dim=(-2, -1)) if layout.batched else (w * w).sum()

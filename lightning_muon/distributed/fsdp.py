@@ -63,6 +63,15 @@ def _matrix_shape(shape: Sequence[int], layout: MatrixLayout) -> tuple[int, ...]
     return layout.piece_shapes(shape)[0]
 
 
+def blocks_refused(sharding: str, where: str, layout: MatrixLayout) -> str:
+    """The error for a 2-D expert concatenation (``blocks``) under a sharding that shards rows."""
+    return (
+        f"{sharding}: {where} holds 2-D tensors whose dim 0 concatenates {layout.blocks} experts (blocks="
+        f"{layout.blocks}, DBRX's (E * F, H) layout); FSDP2's row shards cut across its experts, so it is not "
+        "supported here: train it under muon_ddp, or store the experts as a 3-D (E, F, H) stack"
+    )
+
+
 def rows_stay_whole(layout: MatrixLayout) -> bool:
     """Whether a ``Shard(0)`` row block of a tensor is, piece by piece, a row block of each piece.
 
@@ -494,6 +503,8 @@ def muon_params(
 
 def _check_group(g: dict, where: str, params: list[Tensor]) -> None:
     layout = layout_of(g)
+    if layout.blocks is not None:
+        raise ValueError(blocks_refused("MuonFSDPSharding", where, layout))
     if not rows_stay_whole(layout):
         raise ValueError(
             f"MuonFSDPSharding: {where} has split_sizes {layout.split_sizes} along dim 0, which is not supported "

@@ -50,6 +50,7 @@ from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
 from lightning_muon.distributed.fsdp import (
     MuonFSDPSharding,
     _matrix_shape,
+    blocks_refused,
     exchange_with_owners,
     muon_params,
     shard_rows,
@@ -305,6 +306,8 @@ def _check_tp_param(p: Tensor, group: dict, where: str) -> None:
         )
     mesh, placements = p.device_mesh, tuple(p.placements)
     layout = layout_of(group)
+    if layout.blocks is not None:
+        raise ValueError(blocks_refused("MuonTPSharding", where, layout))
     if layout.split_sizes is not None and not layout.batched:
         raise ValueError(
             f"MuonTPSharding: {where}: split_sizes {layout.split_sizes} are not supported on a tensor-parallel "

@@ -2,7 +2,8 @@
 
 - ``rules``: ``Rule``, ``route_parameters``, ``RoutingConfig`` and ``ParamGroups`` (the report);
 - ``conv1d``: weights stored ``(fan_in, fan_out)`` (transformers' ``Conv1D``);
-- ``experts``: mixture-of-experts stacks and their routers;
+- ``experts``: mixture-of-experts stacks and their routers; ``probe``: their layouts read from the
+  model's own forward;
 - ``fused_qkv``: fused QKV weights split into Q, K and V (``split_qkv``);
 - ``megatron``: Megatron-Core's names for Muon's settings;
 - ``added_groups``, ``param_groups``, ``checkpoint``: groups added after construction, groups
@@ -10,7 +11,7 @@
 """
 
 from lightning_muon.routing.conv1d import TRANSPOSED_MODULES
-from lightning_muon.routing.experts import ExpertStack, find_expert_stacks
+from lightning_muon.routing.experts import ExpertStack, find_experts
 from lightning_muon.routing.rules import (
     DEFAULT_HEAD_NAMES,
     TOKEN_TABLE_NAMES,
@@ -29,7 +30,7 @@ __all__ = [
     "ParamGroups",
     "RoutingConfig",
     "Rule",
-    "find_expert_stacks",
+    "find_experts",
     "route_parameters",
     "unwrap_module",
 ]

@@ -15,11 +15,13 @@ then the default rules:
    ``nn.Linear`` registered in the module.
    If the module offers ``get_classifier()`` (timm), its classifier is the head too (a
    Linear or a 1x1 convolution). With no head found, a warning says so.
-   ``routers``: mixture-of-experts router weights (``experts.find_routers``) -> AdamW
-   (``router_algorithm`` changes it): E outputs read through a per-token softmax.
-   ``expert_stacks``: mixture-of-experts stacks (``experts.find_expert_stacks``) -> Muon as
-   batches of per-expert matrices (``batched=True``, their orientation, the fused gate/up
-   split in two unless ``split_gate_up=False``), groups ``muon_experts*``.
+   ``routers``: every parameter a mixture of experts' routing depends on (``experts.find_experts``)
+   -> AdamW (``router_algorithm`` changes it): E outputs read through a per-token softmax.
+   ``expert_stacks``: mixture-of-experts stacks (``experts.find_experts``: their layouts read
+   from transformers' metadata or the model's own forward) -> Muon as batches of per-expert
+   matrices (``batched=True``, their orientation, the fused gate/up split in two unless
+   ``split_gate_up=False``), groups ``muon_experts*``. A stack whose layout could not be read
+   is routed ``(E, out, in)`` with a warning that names it and the ``Rule`` that fixes it.
 4. ``token_tables``: tensors whose (dim 0, rest) matrix view has a side of 1, like timm's
    ``pos_embed`` (1, N, D) and ``cls_token`` (1, 1, D), and parameters named as position
    or token tables (``TOKEN_TABLE_NAMES``) -> AdamW: Muon would orthogonalize a vector.
@@ -60,7 +62,7 @@ from torch import Tensor, nn
 from lightning_muon.algorithms import get_algorithm, get_algorithm_of_kind, orthogonalizes
 from lightning_muon.layout import MatrixLayout, layout_of
 from lightning_muon.routing.conv1d import TRANSPOSED_MODULES, transposed_weights
-from lightning_muon.routing.experts import EXPERT_ORIENTATIONS, ExpertStack, find_expert_stacks, find_routers, is_bias
+from lightning_muon.routing.experts import EXPERT_ORIENTATIONS, ExpertStack, find_experts, is_bias
 
 __all__ = [
     "DEFAULT_HEAD_NAMES",
@@ -395,7 +397,9 @@ def _expert_rules(stacks: dict[int, ExpertStack]) -> list[Rule]:
     names: dict[MatrixLayout, str] = {}
     for layout in by_layout:
         kind = "experts" if layout.split_sizes is None else "experts_gate_up"
-        names[layout] = kind + ("_transposed" if layout.transposed else "")
+        names[layout] = (
+            kind + ("_2d" if layout.blocks is not None else "") + ("_transposed" if layout.transposed else "")
+        )
     rules = []
     for layout, ids in by_layout.items():
         name = names[layout]
@@ -435,6 +439,9 @@ class RoutingConfig:
     """Algorithm of the default rules' hidden matrices: "muon" or a registered variant ("muon_hyperball")."""
     split_gate_up: bool = True
     """Orthogonalize a mixture-of-experts fused gate/up as two matrices per expert (False: one fused matrix)."""
+    probe_experts: bool = True
+    """Read mixture-of-experts layouts and routers that transformers' metadata does not give from the model's
+    own forward, on stand-in values (``routing.probe``); False: metadata only, a warning per unread stack."""
     optional_rules: tuple[Rule, ...] = ()
     """Rules tried after ``rules``, before the defaults, that may match nothing quietly (``split_qkv``'s)."""
     router_algorithm: str | None = None
@@ -478,6 +485,7 @@ def route_parameters(
     split_gate_up: bool = True,
     router_algorithm: str | None = None,
     optional_rules: Iterable[Rule | dict[str, Any]] = (),
+    probe_experts: bool = True,
 ) -> ParamGroups:
     """Split ``module``'s trainable parameters into named param groups by ordered rules.
 
@@ -501,6 +509,9 @@ def route_parameters(
             None: the scalar algorithm (``"muon"`` or a variant sends them to Muon).
         optional_rules: rules tried after ``rules`` and before the defaults that may match
             nothing without a warning (``split_qkv``'s, for models without a fused QKV).
+        probe_experts: read mixture-of-experts layouts and routers that transformers' metadata
+            does not give from the model's own forward (``routing.probe``: a few float64 forwards
+            of each distinct MoE block on stand-in values); False: metadata only.
 
     Names: a rule matches the names of ``module.named_parameters()``, relative to the module
     routed, exactly as the report prints them. Under Lightning the mixin routes the
@@ -529,13 +540,14 @@ def route_parameters(
     owners = {id(p): m for m in module.modules() for p in m.parameters(recurse=False)}
     embedding_ids = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
     head_ids, head_how = _head_params(module, tuple(head_names), head_by_position)
-    stacks = find_expert_stacks(module, split_gate_up)
+    experts = find_experts(module, split_gate_up, probe_experts)
+    stacks = experts.stacks
     found = _Found(
         embeddings=embedding_ids,
         head=head_ids,
         stem=_stem_params(module) if input_layer else None,
         transposed=transposed_weights(module),
-        routers=find_routers(module, stacks) - head_ids - embedding_ids,
+        routers=experts.routers - head_ids - embedding_ids,
         stacks=stacks,
     )
     defaults = []
@@ -608,6 +620,9 @@ def route_parameters(
                 flattened.append(f"{name} {tuple(p.shape)}")
     if not groups:
         raise ValueError("route_parameters: the module has no trainable parameters")
+    for name, why in experts.unread.items():
+        if assignments.get(name, "").startswith(("expert_stacks", "hidden_matrices")):
+            warnings.warn(f"route_parameters: {why}", UserWarning, stacklevel=2)
     if flattened:
         warnings.warn(
             f"route_parameters: {len(flattened)} tensor(s) with more than 2 dims are neither a conv kernel nor a "
