@@ -347,9 +347,12 @@ class MuonSharding(Sharding):
         by_owner = self._by_owner()
         mine = by_owner[self.local_rank]
         local = [self.optimizer.state.get(p, {}) for p, _, _ in mine]  # a stack's part: its rows' state
-        # (key, shape, dtype name) per tensor entry; other values (plain numbers) go as they are.
+        # (shape, dtype name, strides) per tensor entry; other values (plain numbers) go as they are.
         layout = [
-            {k: (tuple(v.shape), dtype_name(v.dtype)) if isinstance(v, Tensor) else ("value", v) for k, v in st.items()}
+            {
+                k: (tuple(v.shape), dtype_name(v.dtype), _layout_strides(v)) if isinstance(v, Tensor) else ("value", v)
+                for k, v in st.items()
+            }
             for st in local
         ]
         layouts: list = [None] * self.group_size
@@ -391,12 +394,16 @@ class MuonSharding(Sharding):
             offset = 0
             for (p, start, _), entry in zip(owned, lay):
                 state: dict[str, object] = {}
-                for key, (shape, meta) in entry.items():
-                    if shape == "value":
-                        state[key] = meta
+                for key, spec in entry.items():
+                    if spec[0] == "value":
+                        state[key] = spec[1]
                         continue
+                    shape, dtype, strides = spec
                     n = _numel(shape)
-                    state[key] = part[offset : offset + n].view(shape).to(DTYPES[meta]).to(p.device).clone()
+                    # In the owner's memory layout (SOAP's eigenbases are column-major): a resumed
+                    # step then multiplies in the same order, bit for bit.
+                    value = torch.empty_strided(shape, strides, dtype=DTYPES[dtype], device=p.device)
+                    state[key] = value.copy_(part[offset : offset + n].view(shape))
                     offset += n
                 if self._index[id(p)] in self._split:
                     rows_of.setdefault(id(p), []).append((start, state))  # joined in expert order
@@ -450,11 +457,24 @@ def _unit_numel(unit: tuple[Tensor, int, int]) -> int:
 
 
 def _tensor_shapes(entry: dict) -> list[tuple[int, ...]]:
-    return [shape for shape, _ in entry.values() if shape != "value"]
+    return [spec[0] for spec in entry.values() if spec[0] != "value"]
 
 
 def _tensor_dtypes(entry: dict) -> list[str]:
-    return [dtype for shape, dtype in entry.values() if shape != "value"]
+    return [spec[1] for spec in entry.values() if spec[0] != "value"]
+
+
+def _layout_strides(t: Tensor) -> tuple[int, ...]:
+    """``t``'s strides where its elements fill their memory densely in some order of dims (a column-major
+    eigenbasis), else those of a contiguous tensor of its shape."""
+    order = sorted(range(t.ndim), key=t.stride, reverse=True)
+    if t.permute(order).is_contiguous():
+        return tuple(t.stride())
+    strides, step = [], 1
+    for size in reversed(t.shape):
+        strides.append(step)
+        step *= max(size, 1)
+    return tuple(reversed(strides))
 
 
 def _numel(shape: tuple[int, ...]) -> int:
