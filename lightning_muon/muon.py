@@ -26,6 +26,7 @@ from lightning_muon.nonfinite import FiniteChecks
 from lightning_muon.routing.added_groups import split_added_group
 from lightning_muon.routing.checkpoint import check_checkpoint_routing
 from lightning_muon.routing.param_groups import algorithm_of, as_groups, group_label, option_names, split_named_params
+from lightning_muon.state_creation import StateCreation, is_state_creation
 from lightning_muon.step_memory import StepMemory
 from lightning_muon.update_hooks import UpdateHook, UpdateHooks
 
@@ -146,6 +147,10 @@ class Muon(Optimizer):
         self.nonfinite = config.nonfinite
         self._sharding: Sharding | None = None
         self._mesh_checked = False  # whether the first step looked for DTensors without a sharding
+        self.fresh = True
+        """True until the first step or ``load_state_dict``: a step at lr 0 may then be torch's state creation."""
+        self.creating_state = False
+        """True during that step (``state_creation``): parameters, modes and group keys are put back after it."""
         self._update_hooks = UpdateHooks()
         self._router: Router | None = None
         self.finite_checks = FiniteChecks(self)
@@ -224,6 +229,7 @@ class Muon(Optimizer):
             for key, value in self.group_defaults(group["algorithm"]).items():
                 group.setdefault(key, value)
         restore_state_dtypes(self, state_dict)  # torch cast the state to each parameter's dtype
+        self.fresh = False
 
     # ------------------------------------------------------------------ the step
 
@@ -248,9 +254,21 @@ class Muon(Optimizer):
 
     @torch.no_grad()
     def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step over every group; ``closure`` re-evaluates the loss."""
+        """One optimizer step over every group; ``closure`` re-evaluates the loss.
+
+        The step torch's distributed checkpoint takes to create the state of a new optimizer
+        (every gradient zero, every lr 0, no closure) makes the state and moves nothing: no
+        parameter, mode or group key changes (``state_creation``).
+        """
         if self._sharding is None and not self._mesh_checked:
             self._attach_mesh_sharding()
+        if closure is None and is_state_creation(self):
+            with StateCreation(self):
+                return self._step(None)
+        self.fresh = False
+        return self._step(closure)
+
+    def _step(self, closure: Callable[[], Any] | None) -> Any:
         algorithms = self._algorithms()
         for algorithm, groups in algorithms.values():
             algorithm.prepare_step(self._step_context, groups)  # before the closure (Schedule-Free: refuse eval mode)

@@ -127,6 +127,12 @@ class ScheduleFreeAdamW(Algorithm):
         momentum_readout(group)
 
     def prepare_step(self, ctx: StepContext, groups: list[dict[str, Any]]) -> None:
+        if ctx.creates_state:
+            # A new optimizer's groups are in eval mode, and the package steps in train mode
+            # only; this step moves nothing, and Muon gives every group its own mode back.
+            for group in groups:
+                group["train_mode"] = True
+            return
         for group in groups:
             if not group["train_mode"]:
                 i = ctx.group_index(group)

@@ -103,6 +103,13 @@ class StepContext:
         return t if sharding is None else sharding.local_shard(t)
 
     @property
+    def creates_state(self) -> bool:
+        """True in the step that only makes the state for a checkpoint load (torch's distributed checkpoint:
+        zero gradients at lr 0); ``Muon`` puts every parameter, mode and group key back after it
+        (``state_creation``)."""
+        return self._optimizer.creating_state
+
+    @property
     def has_update_hooks(self) -> bool:
         """True when an update hook is registered (``Muon.register_update_hook``)."""
         return self._optimizer.has_update_hooks
