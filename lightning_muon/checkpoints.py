@@ -27,7 +27,7 @@ from typing import Any
 
 import torch
 
-__all__ = ["DistributedCheckpointError", "convert_checkpoint", "is_distributed_checkpoint"]
+__all__ = ["DistributedCheckpointError", "by_position", "convert_checkpoint", "is_distributed_checkpoint"]
 
 DCP_METADATA = ".metadata"  # torch.distributed.checkpoint's index of a folder's shards
 LIGHTNING_METADATA = "meta.pt"  # Lightning's: the checkpoint less the model and the optimizers
@@ -56,10 +56,12 @@ def distributed_checkpoint_error(path: Any, reader: str) -> DistributedCheckpoin
     )
 
 
-def _by_position(optimizer_state: dict[str, Any]) -> dict[str, Any]:
-    """An optimizer state keyed by parameter name (DCP's layout) keyed by position, as ``Optimizer.state_dict()`` is.
+def by_position(optimizer_state: dict[str, Any]) -> dict[str, Any]:
+    """An optimizer state keyed by position, as ``Optimizer.state_dict()`` keys it, from one keyed otherwise.
 
-    Positions run over the groups' ``params`` in order, as torch numbers them.
+    The keys are parameter names (DCP's layout) or ids in any numbering (``muon_fsdp``'s one
+    file numbers them in the module's order); positions run over the groups' ``params`` in
+    order, as torch numbers them, and as ``Optimizer.load_state_dict`` reads any numbering.
     """
     groups = optimizer_state.get("param_groups", [])
     index: dict[Any, int] = {}
@@ -110,7 +112,7 @@ def convert_checkpoint(folder: str | os.PathLike, output: str | os.PathLike) -> 
     checkpoint = torch.load(folder / LIGHTNING_METADATA, map_location="cpu", weights_only=False)
     checkpoint["state_dict"] = raw.pop("state_dict")
     optimizers = sorted((k for k in raw if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
-    checkpoint["optimizer_states"] = [_by_position(raw.pop(key)) for key in optimizers]
+    checkpoint["optimizer_states"] = [by_position(raw.pop(key)) for key in optimizers]
     checkpoint.update(raw)  # anything else saved beside the model and the optimizers
     torch.save(checkpoint, output)
     return checkpoint

@@ -3,6 +3,7 @@
 from __future__ import annotations
 
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -14,7 +15,7 @@ from typing_extensions import override
 from lightning_muon.distributed.fsdp import MuonFSDPSharding
 from lightning_muon.distributed.tensor_parallel import MuonTPSharding
 from lightning_muon.muon import Muon
-from lightning_muon.strategies._checkpoint import explained_reads
+from lightning_muon.strategies._checkpoint import explained_reads, load_full_checkpoint
 from lightning_muon.strategies._exit import destroy_process_group_at_exit
 from lightning_muon.strategies.ddp_core import unwrap
 from lightning_muon.strategies.fsdp_core import MuonFSDPCore, default_fully_shard, is_sharded
@@ -157,10 +158,18 @@ class MuonFSDPStrategy(ModelParallelStrategy):
         self.muon.clip_grad_norm_(optimizer, list(self.precision_plugin.main_params(optimizer)), clip_val)
 
     @override
-    def load_checkpoint(self, checkpoint_path: Any, *args: Any, **kwargs: Any) -> dict[str, Any]:
-        """Lightning's loading (a DCP folder or a file); a damaged one raises ``CheckpointReadError`` naming it."""
+    def load_checkpoint(self, checkpoint_path: Any, weights_only: bool | None = None) -> dict[str, Any]:
+        """Lightning's loading of a DCP folder; a file by ``load_full_checkpoint`` (its optimizer state keyed by
+        position, as every strategy but this one saves it). A damaged one raises ``CheckpointReadError`` naming it."""
+        from lightning.fabric.strategies.fsdp import _is_full_checkpoint
+
         with explained_reads(checkpoint_path):
-            return super().load_checkpoint(checkpoint_path, *args, **kwargs)
+            path = Path(self.broadcast(checkpoint_path))  # rank 0's, as Lightning takes it
+            if not _is_full_checkpoint(path):
+                return super().load_checkpoint(path, weights_only=weights_only)
+            assert self.model is not None and self.lightning_module is not None
+            strict = self.lightning_module.strict_loading
+            return load_full_checkpoint(path, self.model, self.optimizers, strict, weights_only)
 
     @classmethod
     @override
