@@ -46,6 +46,8 @@ SCALAR = ("adamw", "lion", "laprop", "adamw_schedulefree")
 AMPLIFIERS = ("soap", "rekls")  # their normalization turns rounding noise in near-zero entries into +-1
 # Rows of each lane's hidden matrix: 9 split 5 + 4 over 2 ranks, 7 split 3 + 3 + 1 over 3.
 ROWS = (9, 7, 9, 7, 9, 7, 9, 7, 9, 7)
+# The eps that shrinks what SOAP and REKLS make of float32 rounding 1500 and 650 times (docs/algorithms.md).
+TAMED = {"soap": 1e-4, "rekls": 1e-3}
 F32 = {"ns_dtype": "float32"}  # bf16 Newton-Schulz turns ulps of another reduction order into percents
 # An lr that moves each lane, float32 Newton-Schulz, and the forms that act at lr = 0: a
 # fixed hyperball radius (a weight is rescaled before its first step), PolarGrad's
@@ -60,10 +62,9 @@ MATRIX_OPTIONS: dict[str, dict[str, Any]] = {
     "mop": {"lr": 0.01},
     "spel": {"lr": 0.01, **F32},
     "sinkhorn_muon": {"lr": 0.01, **F32},
-    "soap": {"lr": 0.01, "eps": 1e-4},
-    "rekls": {"lr": 0.01, "eps": 1e-3},
+    "soap": {"lr": 0.01, "eps": TAMED["soap"]},
+    "rekls": {"lr": 0.01, "eps": TAMED["rekls"]},
 }
-TAMED = {name: MATRIX_OPTIONS[name]["eps"] for name in AMPLIFIERS}
 DEFAULT_EPS = {name: {**MATRIX_OPTIONS[name], "eps": 1e-8} for name in AMPLIFIERS}  # their default
 SAMPLES = 12  # per optimizer step, split evenly over 1, 2 and 3 ranks
 STEPS, SAVE_EVERY = 4, 2

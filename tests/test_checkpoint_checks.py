@@ -7,6 +7,8 @@
 - A checkpoint records the strategy that saved it; resuming a ``muon_ddp`` checkpoint under
   a single-device strategy (another sampler) warns; under ``muon_ddp`` it does not.
 - ``MuonScheduler``'s resume warning points at the user's ``trainer.fit``, not into Lightning.
+- Under a distributed strategy Lightning shuffles a training loader that does not shuffle, as
+  docs/distributed.md says.
 """
 
 from __future__ import annotations
@@ -19,7 +21,7 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from torch import nn
-from torch.utils.data import DataLoader, TensorDataset
+from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
 from lightning_muon import MuonConfig, MuonDDPStrategy, MuonModuleMixin
 from lightning_muon.checkpoints import DistributedCheckpointError
@@ -30,6 +32,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 CONFIG = MuonConfig(lr=0.02, adamw_lr=3e-3, ns_dtype="float32")
+ROOT = Path(__file__).resolve().parents[1]
 
 
 class Net(MuonModuleMixin, pl.LightningModule):
@@ -115,6 +118,30 @@ def test_a_muon_ddp_checkpoint_resumed_on_one_device_warns_that_the_sampler_chan
     assert message.endswith("Resume with strategy='muon_ddp' (devices=1 included) to keep its data order")
     # The same strategy keeps the sampler: no warning.
     assert _resume(tmp_path / "same", saved, "muon_ddp") == []
+
+
+def test_a_distributed_strategy_shuffles_a_training_loader_that_does_not_as_the_docs_say(tmp_path):
+    """Lightning 2.6 under muon_ddp, one process: the training loader's DistributedSampler shuffles though the
+    loader does not (other batches than "auto" takes); a validation loader keeps its order."""
+
+    class WithValidation(Net):
+        def val_dataloader(self) -> DataLoader:
+            return self.train_dataloader()
+
+        def validation_step(self, batch, batch_idx) -> None:
+            pass
+
+    trainer = _trainer(tmp_path, 1, strategy="muon_ddp")
+    model = WithValidation(CONFIG)
+    assert not isinstance(model.train_dataloader().sampler, torch.utils.data.RandomSampler)  # in order
+    trainer.fit(model)
+    train, val = trainer.train_dataloader.sampler, trainer.val_dataloaders.sampler
+    assert isinstance(train, DistributedSampler) and isinstance(val, DistributedSampler)
+    assert train.shuffle and list(train) != list(range(32))
+    assert not val.shuffle and list(val) == list(range(32))
+    docs = " ".join((ROOT / "docs" / "distributed.md").read_text().split())
+    assert "gives the training loader a `DistributedSampler` that shuffles, whether or not the loader does" in docs
+    assert "Validation and test loaders are shuffled only when they shuffle" in docs
 
 
 def test_the_schedulers_resume_warning_points_at_the_users_fit_not_into_lightning(tmp_path):
