@@ -35,26 +35,12 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from benchlib.counting import NSCounter, WireCounter
+from benchlib.ddp_summary import CONFIGS, Settings, print_report, summarize
+from benchlib.harness import describe_machine, load_average, machine_line, sync, targets_met, write_report
+from benchlib.ranks import add_rank_arguments, char_batch, char_gpt, check_rank_arguments, ranks_line, run_ranks
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness is a sibling script
-from counting import NSCounter, WireCounter
-from ddp_summary import CONFIGS, Settings, print_report, summarize
-from harness import (
-    add_rank_arguments,
-    char_batch,
-    char_gpt,
-    check_rank_arguments,
-    describe_machine,
-    load_average,
-    machine_line,
-    ranks_line,
-    run_ranks,
-    sync,
-    targets_met,
-    write_report,
-)
 
 from lightning_muon import Muon, route_parameters
 from lightning_muon.distributed.comm import all_reduce_bytes

@@ -36,22 +36,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from torch import Tensor
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness is a sibling script
-from counting import NSCounter, WireCounter
-from harness import (
-    RankSettings,
-    add_rank_arguments,
-    char_batch,
-    char_gpt,
-    check_rank_arguments,
+from benchlib.counting import NSCounter, WireCounter
+from benchlib.harness import (
     describe_machine,
     fixed_cell,
     machine_line,
-    ranks_line,
-    run_ranks,
-    slowest_rank_median,
     sync,
     table,
     target,
@@ -59,6 +48,17 @@ from harness import (
     verdict,
     write_report,
 )
+from benchlib.ranks import (
+    RankSettings,
+    add_rank_arguments,
+    char_batch,
+    char_gpt,
+    check_rank_arguments,
+    ranks_line,
+    run_ranks,
+    slowest_rank_median,
+)
+from torch import Tensor
 
 import lightning_muon.functional as functional
 from lightning_muon import Muon, route_parameters
@@ -81,7 +81,7 @@ MUON_BYTES_SLACK = 0.02  # owner's Muon bytes / gather_all's <= 2 / W + slack (t
 
 @dataclass(frozen=True, kw_only=True)
 class Settings(RankSettings):
-    """The shared world and model (``harness.RankSettings``); bytes and FLOPs are per timed step."""
+    """The shared world and model (``ranks.RankSettings``); bytes and FLOPs are per timed step."""
 
     ns_dtype: str | None = None
     """Newton-Schulz dtype; None is the automatic policy (bf16 where this host's bf16 matmul is fast)."""

@@ -35,10 +35,8 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from benchlib.harness import check_device, describe_machine, machine_line
 from lightning.pytorch.tuner import Tuner
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness is a sibling script
-from harness import check_device, describe_machine, machine_line
 
 from lightning_muon_demo.experiment import DEFAULT_LR, RunSpec, build_run, train
 

@@ -62,28 +62,20 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.distributed as dist
-from torch import Tensor, nn
-from torch.distributed._tools.common_utils import get_untyped_storages
-from torch.distributed._tools.mem_tracker import MemTracker
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness is a sibling script
-from harness import (
-    RankSettings,
-    char_batch,
-    char_gpt,
+from benchlib.harness import (
     check_device,
     describe_machine,
     dtype_name,
     machine_line,
     progress,
-    run_ranks,
     table,
     target,
     targets_met,
     verdict,
     write_report,
 )
-from step_table import (
+from benchlib.ranks import RankSettings, char_batch, char_gpt, run_ranks
+from benchlib.step_table import (
     ADAMW_BETAS,
     ADAMW_EPS,
     ADAMW_LR,
@@ -94,6 +86,9 @@ from step_table import (
     gpt_parameters,
     our_optimizer,
 )
+from torch import Tensor, nn
+from torch.distributed._tools.common_utils import get_untyped_storages
+from torch.distributed._tools.mem_tracker import MemTracker
 
 from lightning_muon import Muon, MuonConfig, QKClip, UpdateSpectrumMonitor, route_parameters
 from lightning_muon.hparams import OptimizerConfig

@@ -28,26 +28,16 @@ Usage::
 from __future__ import annotations
 
 import argparse
-import sys
 from dataclasses import asdict, dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
+from benchlib import scale_counts as sc
+from benchlib.counting import NSCounter, WireCounter
+from benchlib.harness import describe_machine, machine_line, table, write_report
+from benchlib.ranks import add_rank_arguments, check_rank_arguments, run_ranks
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness is a sibling script
-import scale_counts as sc
-from counting import NSCounter, WireCounter
-from harness import (
-    add_rank_arguments,
-    check_rank_arguments,
-    describe_machine,
-    machine_line,
-    run_ranks,
-    table,
-    write_report,
-)
 
 from lightning_muon import Muon
 

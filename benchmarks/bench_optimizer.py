@@ -26,9 +26,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness is a sibling script
-from harness import (
+from benchlib.harness import (
     check_device,
     describe_machine,
     load_average,
@@ -38,9 +36,9 @@ from harness import (
     verdict,
     write_report,
 )
-from ns_tables import bench_accuracy, bench_batching, bench_gram, bench_roofline, bench_symmetric
-from step_table import bench_step
-from timing import Settings
+from benchlib.ns_tables import bench_accuracy, bench_batching, bench_gram, bench_roofline, bench_symmetric
+from benchlib.step_table import bench_step
+from benchlib.timing import Settings
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_optimizer.json"
 SECTIONS = ("accuracy", "step", "roofline", "batching", "gram", "symmetric")

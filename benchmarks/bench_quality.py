@@ -63,9 +63,7 @@ from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness is a sibling script
-from harness import check_device, describe_machine, machine_line
+from benchlib.harness import check_device, describe_machine, machine_line
 
 from lightning_muon_demo.experiment import RunSpec, steps_to_reach, train
 

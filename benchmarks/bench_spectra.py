@@ -34,9 +34,13 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))
-from harness import check_device, describe_machine, machine_line, sync, timed_fit  # a sibling script, not a package
+from benchlib.harness import (  # a sibling script, not a package
+    check_device,
+    describe_machine,
+    machine_line,
+    sync,
+    timed_fit,
+)
 
 from lightning_muon import UpdateSpectrumMonitor
 from lightning_muon_demo.data import CharTextDataModule

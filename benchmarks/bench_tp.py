@@ -33,10 +33,9 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from benchlib import harness
+from benchlib.ranks import run_ranks
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # harness, a sibling script module
-import harness
 
 import lightning_muon.distributed.tensor_parallel as tp_module
 from lightning_muon import Muon
@@ -203,7 +202,7 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     world = a.dp * a.tp
     machine = harness.describe_machine(a.device)
     backend = "nccl" if a.device == "cuda" else "gloo"
-    ranks = harness.run_ranks(_worker, world, args, backend=backend, threads=a.threads)
+    ranks = run_ranks(_worker, world, args, backend=backend, threads=a.threads)
     element_size = torch.empty(0, dtype=getattr(torch, a.ns_dtype)).element_size()
     expected = formulas(args["d_model"], args["blocks"], a.dp, a.tp, element_size)
     print(

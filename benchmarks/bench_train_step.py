@@ -33,10 +33,17 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from benchlib.harness import (
+    check_device,
+    describe_machine,
+    machine_line,
+    table,
+    target,
+    targets_met,
+    verdict,
+    write_report,
+)
 from torch import nn
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness is a sibling script
-from harness import check_device, describe_machine, machine_line, table, target, targets_met, verdict, write_report
 
 from lightning_muon import Muon, MuonConfig, route_parameters
 

@@ -27,13 +27,10 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
-from pathlib import Path
 from typing import Any
 
 import torch
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # the harness is a sibling script
-from harness import check_device, describe_machine, machine_line
+from benchlib.harness import check_device, describe_machine, machine_line
 
 SHAPES = [(64, 32), (48, 64), (64, 64), (96, 64)]
 STEPS = 10

@@ -57,15 +57,13 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
+from benchlib.scale_counts import PRESETS, ModelShapes, shapes_from_module
+from benchlib.scale_designs import TP_DEGREES, predict, predict_tp
+from benchlib.scale_memory import MODELS as MEMORY_MODELS
+from benchlib.scale_memory import memory_table, print_memory_table
+from benchlib.scale_profiles import Profile, h100_profile, measure_profile
 
 from lightning_muon.distributed.tp_math import TP_MODES
-
-sys.path.insert(0, str(Path(__file__).resolve().parent))  # its modules are sibling files
-from scale_counts import PRESETS, ModelShapes, shapes_from_module
-from scale_designs import TP_DEGREES, predict, predict_tp
-from scale_memory import MODELS as MEMORY_MODELS
-from scale_memory import memory_table, print_memory_table
-from scale_profiles import Profile, h100_profile, measure_profile
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "scale_model.json"
 WORLDS = (8, 16, 32, 64, 128, 256, 512, 1024)

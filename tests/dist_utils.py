@@ -1,21 +1,86 @@
 """Run a function on several gloo processes on CPU and collect what each rank returns.
 
-The launcher is the benchmarks' (``benchmarks/harness.py``, on the test path through
-pyproject's ``pythonpath``), so tests and benchmarks start ranks the same way.
+The suite's own launcher: ``run_distributed(fn, W, *args)`` forks W ranks from a server
+process that imported torch, Lightning and the package once, each rank joins one gloo
+group over TCP, runs ``fn(rank, W, *args)``, and its result comes back through a file.
+(The benchmarks start their ranks, NCCL ones too, with their own launcher in
+``benchmarks/benchlib/ranks.py``; neither imports the other.)
 """
 
 from __future__ import annotations
 
+import os
+import socket
+import sys
+import tempfile
 from collections.abc import Callable
+from pathlib import Path
 from typing import Any
 
-from harness import run_ranks
+import torch
+import torch.distributed as dist
+import torch.multiprocessing as mp
+
+# What a rank needs imported before it runs fn; the forkserver imports it once.
+PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_muon"]
 
 
 def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
     """``[fn(rank, world_size, *args) for rank in ranks]``, each in its own gloo process.
 
     One torch thread per rank: ``world_size`` processes share the CI's 2 cores. ``fn``
-    must be importable (module level); a failure on any rank raises here.
+    must be importable (module level); a failure on any rank raises here, after every
+    process ended. The results travel through files in a temporary folder removed afterwards.
     """
-    return run_ranks(fn, world_size, *args, backend="gloo", threads=1)
+    with tempfile.TemporaryDirectory() as out_dir:
+        mp.start_processes(
+            _rank,
+            args=(world_size, _free_port(), out_dir, fn, args, dict(os.environ)),
+            nprocs=world_size,
+            join=True,
+            start_method=_start_method(),
+        )
+        return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
+
+
+def _start_method() -> str:
+    """``"forkserver"`` with ``PRELOAD`` imported once, where it exists.
+
+    A fresh interpreter per rank would import them again: seconds per rank, since
+    ``import lightning`` pulls in torchmetrics, which imports transformers and scipy where
+    they are installed.
+    """
+    if "forkserver" not in mp.get_all_start_methods():
+        return "spawn"
+    mp.get_context("forkserver").set_forkserver_preload(PRELOAD)
+    return "forkserver"
+
+
+def _free_port() -> int:
+    with socket.socket() as sock:
+        sock.bind(("127.0.0.1", 0))
+        return sock.getsockname()[1]
+
+
+def _rank(
+    rank: int, world_size: int, port: int, out_dir: str, fn: Callable, args: tuple, environ: dict[str, str]
+) -> None:
+    # A forkserver child starts with the server's environment: take the caller's, then
+    # meet the group over TCP on the port the parent found free (env://).
+    os.environ.clear()
+    os.environ.update(environ, MASTER_ADDR="127.0.0.1", MASTER_PORT=str(port))
+    torch.set_num_threads(1)
+    dist.init_process_group("gloo", "env://", rank=rank, world_size=world_size)
+    try:
+        torch.save(fn(rank, world_size, *args), Path(out_dir) / f"rank{rank}.pt")
+        dist.barrier()  # no rank leaves (rank 0 serves the TCP store) while a peer still talks
+    finally:
+        dist.destroy_process_group()
+    # Done, and the result is saved: leave without the interpreter's finalization. There the
+    # last references to the gloo process groups go, and a worker thread of theirs that
+    # still holds a finished collective's tensors reaches for the GIL of an interpreter being
+    # torn down: SIGABRT ("terminate called without an active exception"), seen in CI on one
+    # rank of finished FSDP2 fits. A failure in fn still raises above (start_processes reports it).
+    sys.stdout.flush()
+    sys.stderr.flush()
+    os._exit(0)

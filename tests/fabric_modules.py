@@ -25,7 +25,7 @@ from typing import Any
 
 import lightning as L
 import torch
-from counting import NSCounter
+from benchlib.counting import NSCounter
 from torch import nn
 
 from lightning_muon import MuonConfig

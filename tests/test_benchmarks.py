@@ -111,7 +111,7 @@ def test_distributed_benchmarks_refuse_more_ranks_than_gpus(name, monkeypatch, c
 
 
 def test_interleaved_rounds_mix_the_order_so_every_call_follows_every_other():
-    from timing import Settings, measure_interleaved
+    from benchlib.timing import Settings, measure_interleaved
 
     keys = "abcde"
     settings = Settings(torch.device("cpu"), quick=False, budget_s=60.0, max_reps=40, step_budget_s=60.0)

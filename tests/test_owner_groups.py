@@ -9,9 +9,9 @@ bytes per link class against the scale model; one 2-rank launch for the overlap'
 from __future__ import annotations
 
 import pytest
-import scale_counts as sc
 import torch
 import torch.distributed as dist
+from benchlib import scale_counts as sc
 from ddp_modules import TinyRegressor
 from dist_utils import run_distributed
 from test_ddp_strategy import CONFIG, FP32, _assert_all_equal, _fit, _ranks, _spawn

@@ -2,9 +2,9 @@
 
 from __future__ import annotations
 
-import scale_memory as smem
 import torch
-from harness import VOCAB
+from benchlib import scale_memory as smem
+from benchlib.ranks import VOCAB
 
 from lightning_muon_demo.models import CharGPT
 

@@ -7,13 +7,13 @@ import json
 import bench_ddp
 import bench_fsdp
 import pytest
-import scale_counts as sc
-import scale_designs as sd
 import scale_model as sm
-import scale_profiles as sp
 import torch
+from benchlib import scale_counts as sc
+from benchlib import scale_designs as sd
+from benchlib import scale_profiles as sp
+from benchlib.ranks import char_gpt
 from dist_utils import run_distributed
-from harness import char_gpt
 
 from lightning_muon.distributed.comm import all_reduce_bytes
 from lightning_muon.newton_schulz import resolve_ns_dtype

@@ -13,7 +13,7 @@ import copy
 
 import pytest
 import torch
-from step_table import gpt_parameters
+from benchlib.step_table import gpt_parameters
 from torch import nn
 
 from lightning_muon import Muon, MuonConfig

@@ -22,7 +22,7 @@ from lightning_muon.step_memory import (
 )
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from step_table import gpt_parameters
+from benchlib.step_table import gpt_parameters
 
 pytestmark = [pytest.mark.policy_free]  # every dtype pinned: runs alike under either bf16 policy
 

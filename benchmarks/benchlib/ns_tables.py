@@ -16,8 +16,8 @@ import math
 from typing import Any
 
 import torch
-from harness import dtype_name, progress, table, target, verdict
-from timing import Settings, measure, measure_interleaved
+from benchlib.harness import dtype_name, progress, table, target, verdict
+from benchlib.timing import Settings, measure, measure_interleaved
 from torch import Tensor
 
 from lightning_muon.newton_schulz import (

@@ -15,7 +15,7 @@ from dataclasses import dataclass
 from typing import Any
 
 import torch
-from harness import sync
+from benchlib.harness import sync
 
 
 @dataclass(frozen=True)

@@ -11,7 +11,8 @@ import statistics
 from dataclasses import dataclass
 from typing import Any
 
-from harness import RankSettings, cell, slowest_rank_median, table, target, verdict
+from benchlib.harness import cell, table, target, verdict
+from benchlib.ranks import RankSettings, slowest_rank_median
 
 from lightning_muon.distributed.comm import all_reduce_bytes
 
@@ -28,7 +29,7 @@ STEP_RATIO_MAX = 0.65  # reduce_scatter optimizer step <= 0.65 x one process (W 
 
 @dataclass(frozen=True, kw_only=True)
 class Settings(RankSettings):
-    """The shared world and model (``harness.RankSettings``), and what only this benchmark counts."""
+    """The shared world and model (``ranks.RankSettings``), and what only this benchmark counts."""
 
     count_steps: int
     """Real training steps (forward, backward, reduce, step) over which bytes and FLOPs are counted."""

@@ -21,9 +21,9 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from harness import dtype_name, progress, table, target, verdict
-from ns_tables import NS_STEPS
-from timing import Settings, Timing, measure, measure_interleaved
+from benchlib.harness import dtype_name, progress, table, target, verdict
+from benchlib.ns_tables import NS_STEPS
+from benchlib.timing import Settings, Timing, measure, measure_interleaved
 from torch import Tensor
 
 from lightning_muon.muon import Muon
@@ -250,8 +250,11 @@ def measure_step_rows(settings: Settings) -> list[dict[str, Any]]:
 
 
 def _in_processes(settings: Settings) -> list[list[dict[str, Any]]]:
-    """``measure_step_rows`` in ``settings.step_processes`` fresh processes, one after another."""
-    script = Path(__file__).resolve().parent / "bench_optimizer.py"
+    """``measure_step_rows`` in ``settings.step_processes`` fresh processes, one after another.
+
+    Each process is ``bench_optimizer.py --sections step`` (the entry script above this package).
+    """
+    script = Path(__file__).resolve().parents[1] / "bench_optimizer.py"
     runs = []
     with tempfile.TemporaryDirectory() as tmp:
         for i in range(settings.step_processes):

@@ -25,7 +25,7 @@ from collections import Counter
 from typing import Any
 
 import torch.distributed as dist
-from harness import sync
+from benchlib.harness import sync
 
 import lightning_muon.functional as functional
 from lightning_muon.distributed.comm import all_reduce_bytes
