@@ -46,6 +46,7 @@ from lightning_muon import Muon, route_parameters
 from lightning_muon.distributed.comm import all_reduce_bytes
 from lightning_muon.distributed.sharded import MuonSharding
 from lightning_muon.newton_schulz import resolve_ns_dtype
+from lightning_muon.strategies.ddp_core import MuonDDPCore
 from lightning_muon_demo.models import CharGPT
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_ddp.json"
@@ -108,35 +109,43 @@ def _optimizer(model: nn.Module) -> Muon:
 
 
 def _build(name: str, s: Settings) -> _Run:
-    """A CharGPT wrapped in DDP as ``MuonDDPStrategy`` wraps it, for one of ``CONFIGS``."""
+    """A CharGPT wrapped in DDP as ``MuonDDPStrategy`` wraps it, for one of ``CONFIGS``.
+
+    The sharded configurations go through the strategy's own setup (``MuonDDPCore``, as
+    ``MuonDDPStrategy.configure_ddp`` calls it): the sharding, DDP told to ignore the Muon
+    matrices (``reduce_scatter``), and with ``overlap`` the reduce from backward's hooks.
+    ``ddp`` is plain DDP: every gradient all-reduced, Muon replicated.
+    """
     model = char_gpt(s)
     opt = _optimizer(model)
     run = _Run(name, model, opt)
+    core, shardings = None, []
     if name != "ddp":
-        run.sharding = MuonSharding(opt, mode="reduce_scatter" if name == "overlap" else name)
-        inner = run.sharding.gather_parameters
-
-        def timed_gather() -> None:  # Muon.step calls it through the instance: time it apart
-            sync(s.device)
-            start = time.perf_counter()
-            inner()
-            sync(s.device)
-            run.gather_s += time.perf_counter() - start
-
-        run.sharding.gather_parameters = timed_gather  # type: ignore[method-assign]
-    if name in ("reduce_scatter", "overlap"):
-        ids = {id(p) for p in run.sharding.params}
-        names = [n for n, p in model.named_parameters() if id(p) in ids]
-        DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(model, names)
-        for p in run.sharding.params:  # DDP does not broadcast what it ignores
-            dist.broadcast(p.data, src=0)
+        core = MuonDDPCore(muon_mode="reduce_scatter" if name == "overlap" else name, overlap=name == "overlap")
+        shardings = core.attach([opt], model, s.world_size, s.world_size)
+        (run.sharding,) = shardings
+        _time_gather(run, s.device)
+        core.leave_to_owners(model, shardings)
     run.model = DistributedDataParallel(model)
     run.hook = _HookState(s.world_size)
     run.model.register_comm_hook(run.hook, _all_reduce_hook)
-    if name == "overlap":  # as MuonDDPStrategy(overlap=True) sets it up
-        ddp = run.model
-        run.sharding.overlap_with_backward(lambda: ddp.require_backward_grad_sync)
+    if core is not None:
+        core.after_wrap(run.model, shardings)
     return run
+
+
+def _time_gather(run: _Run, device: str) -> None:
+    """Times ``gather_parameters`` apart: ``Muon.step`` calls it through the sharding instance."""
+    inner = run.sharding.gather_parameters
+
+    def timed_gather() -> None:
+        sync(device)
+        start = time.perf_counter()
+        inner()
+        sync(device)
+        run.gather_s += time.perf_counter() - start
+
+    run.sharding.gather_parameters = timed_gather  # type: ignore[method-assign]
 
 
 def _count(run: _Run, s: Settings, lo: int, hi: int, wire: WireCounter | None, ns: NSCounter) -> None:
