@@ -5,7 +5,9 @@ shard file per rank, ``.metadata``, and Lightning's ``meta.pt`` with everything 
 model and the optimizer (loops, ``lr_schedulers``, callbacks, hyperparameters). Inside the
 shards the model's state is keyed by parameter name under ``state_dict``, and each
 optimizer's under ``optimizer_{i}``, keyed by parameter name as well
-(``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``).
+(``torch.distributed.checkpoint.state_dict.get_optimizer_state_dict``). A Fabric folder
+(``fabric.save`` under ``muon_fsdp``) holds the model and each optimizer under the key
+``fabric.save`` was given, and ``meta.pt`` the rest of its state.
 
 Any world size of ``muon_fsdp`` resumes such a folder (``devices=1`` included). Another
 strategy reads one file, and would fail on the folder with a bare ``IsADirectoryError``:
@@ -79,6 +81,10 @@ def by_position(optimizer_state: dict[str, Any]) -> dict[str, Any]:
     return {"state": {index[name]: value for name, value in state.items()}, "param_groups": new_groups}
 
 
+def _is_optimizer_state(value: Any) -> bool:
+    return isinstance(value, dict) and "param_groups" in value and set(value) <= {"state", "param_groups"}
+
+
 def convert_checkpoint(folder: str | os.PathLike, output: str | os.PathLike) -> dict[str, Any]:
     """Write the distributed checkpoint ``folder`` as the one file ``output``; returns what was written.
 
@@ -87,8 +93,12 @@ def convert_checkpoint(folder: str | os.PathLike, output: str | os.PathLike) -> 
     ``epoch``, the hyperparameters): ``Trainer(strategy="auto").fit(model, ckpt_path=output)``
     resumes it, ``torch.load(output)`` reads it, and ``muon_fsdp`` takes it too. The tensors
     are whole (no DTensors); the optimizer state is keyed by position, as ``Muon`` keeps it
-    on one device. Built on ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``;
-    the whole checkpoint passes through this process's memory.
+    on one device. A Fabric folder becomes the file ``fabric.save`` writes on one device: the
+    model and each optimizer under the key it was saved under (each optimizer's state keyed
+    by position), beside the rest of the saved state, which ``fabric.load`` reads under
+    ``muon_fsdp``, ``muon_ddp`` or one device. Built on
+    ``torch.distributed.checkpoint.format_utils.dcp_to_torch_save``; the whole checkpoint
+    passes through this process's memory.
 
     Raises:
         ValueError: ``folder`` is not a distributed checkpoint (no ``.metadata``) or holds no
@@ -110,10 +120,12 @@ def convert_checkpoint(folder: str | os.PathLike, output: str | os.PathLike) -> 
         dcp_to_torch_save(folder, raw_path)
         raw = torch.load(raw_path, map_location="cpu", weights_only=False)  # written just now, from the folder
     checkpoint = torch.load(folder / LIGHTNING_METADATA, map_location="cpu", weights_only=False)
-    checkpoint["state_dict"] = raw.pop("state_dict")
-    optimizers = sorted((k for k in raw if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
-    checkpoint["optimizer_states"] = [by_position(raw.pop(key)) for key in optimizers]
-    checkpoint.update(raw)  # anything else saved beside the model and the optimizers
+    if "state_dict" in raw:  # the Trainer's: the optimizers as a list
+        checkpoint["state_dict"] = raw.pop("state_dict")
+        optimizers = sorted((k for k in raw if k.startswith("optimizer_")), key=lambda k: int(k.split("_")[1]))
+        checkpoint["optimizer_states"] = [by_position(raw.pop(key)) for key in optimizers]
+    # anything else saved beside them; a Fabric folder's model and optimizers, under their keys
+    checkpoint.update({key: by_position(value) if _is_optimizer_state(value) else value for key, value in raw.items()})
     torch.save(checkpoint, output)
     return checkpoint
 
@@ -133,6 +145,9 @@ def main(args: list[str] | None = None, prog: str = CONVERT_COMMAND) -> int:
     except ValueError as err:
         sys.stderr.write(f"error: {err}\n")
         return 2
+    if "state_dict" not in checkpoint:  # a Fabric folder's
+        print(f"{options.output}: {', '.join(map(str, checkpoint))}; load it with fabric.load(path, state)")
+        return 0
     print(
         f"{options.output}: global_step {checkpoint.get('global_step')}, {len(checkpoint['state_dict'])} tensors, "
         f"{len(checkpoint['optimizer_states'])} optimizer(s); resume it with trainer.fit(model, ckpt_path=...)"
