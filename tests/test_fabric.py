@@ -17,7 +17,7 @@ from fabric_modules import fabric_worker, one_process, spawn_worker
 from lightning.fabric.strategies import STRATEGY_REGISTRY
 from torch import nn
 
-from lightning_muon import Muon
+from lightning_muon import Muon, checkpoints
 from lightning_muon import MuonDDPStrategy as TrainerDDP
 from lightning_muon.fabric import MuonDDPStrategy, MuonFSDPStrategy
 
@@ -167,6 +167,36 @@ def test_checkpoint_saved_at_two_ranks_resumes_exactly_at_one_and_three(tmp_path
     for rank, (ddp, fsdp) in enumerate(three):
         _assert_params_equal(ddp, full["ddp"], f"ddp, rank {rank} of 3")
         _assert_params_equal(fsdp, full["fsdp"], f"fsdp, rank {rank} of 3")
+
+
+@pytest.mark.slow
+def test_muon_fsdp_resumes_one_file_checkpoints_at_one_and_two_ranks(tmp_path):
+    # One file keys the optimizer state by position, as Muon numbers its parameters (group by
+    # group): fabric.save under muon_ddp at 2 ranks and on one device, and convert-checkpoint
+    # of a muon_fsdp folder. muon_fsdp at 1 and 2 ranks loads each after step 3 of 6 and
+    # continues as an uninterrupted run; Fabric's own loading read the positions in the
+    # module's parameter order ("The size of tensor a (12) must match the size of tensor b (2)").
+    base = dict(kind="fsdp", setup="separate")
+    files = {k: tmp_path / f"{k}.ckpt" for k in ("muon_ddp", "auto", "converted")}
+    full = one_process(dict(base, steps=6, save=str(files["auto"]), save_at=3))
+    folder = tmp_path / "muon_fsdp"
+    run_distributed(
+        fabric_worker,
+        2,
+        [
+            dict(base, steps=3, strategy="muon_ddp", save=str(files["muon_ddp"]), save_at=3),
+            dict(base, steps=3, strategy="muon_fsdp", save=str(folder), save_at=3),
+        ],
+    )
+    assert checkpoints.main([str(folder), str(files["converted"])]) == 0
+    for name, path in files.items():
+        saved = torch.load(path, weights_only=False)
+        assert saved["step"] == 3 and all(isinstance(k, int) for k in saved["optimizer"]["state"]), name
+    specs = [dict(base, steps=6, strategy="muon_fsdp", load=str(path)) for path in files.values()]
+    for world in (1, 2):
+        for rank, results in enumerate(run_distributed(fabric_worker, world, specs)):
+            for name, result in zip(files, results):
+                _assert_params_equal(result, full, f"{name} file, rank {rank} of {world}")
 
 
 # ---------------------------------------------------------------- bad input

@@ -2,7 +2,8 @@
 
 ``explained_reads`` turns a read failure into a ``CheckpointReadError`` naming the file or
 folder. ``load_full_checkpoint`` is Lightning's ``ModelParallelStrategy`` loading of one
-checkpoint file, with the optimizer state matched to parameters as the optimizer numbers them.
+checkpoint file, with the optimizer state matched to parameters as the optimizer numbers them
+(``load_optimizer_state``, which Fabric's ``muon_fsdp`` uses for its files too).
 """
 
 from __future__ import annotations
@@ -22,7 +23,7 @@ from lightning_muon.muon import Muon
 from lightning_muon.routing.checkpoint import check_checkpoint_routing
 from lightning_muon.strategies.ddp_core import unwrap
 
-__all__ = ["CheckpointReadError", "explained_reads", "load_full_checkpoint"]
+__all__ = ["CheckpointReadError", "explained_reads", "load_full_checkpoint", "load_optimizer_state"]
 
 
 class CheckpointReadError(RuntimeError):
@@ -65,37 +66,48 @@ def load_full_checkpoint(
 ) -> dict[str, Any]:
     """One Lightning checkpoint file into the FSDP2 ``module`` and its ``optimizers``; returns the rest of it.
 
-    Lightning's ``ModelParallelStrategy`` path for a file, but for the optimizer state's keys.
-    A file saved by ``muon_ddp``, ``"auto"`` or ``convert-checkpoint`` keys it by position, as
-    ``Optimizer.state_dict()`` does, and Lightning would read the positions in the module's
-    parameter order; ``Muon`` numbers its parameters group by group, so one parameter's state
-    would meet another's shape ("The size of tensor a (12) must match the size of tensor b
-    (9)"). Here the ids the saved groups list are, in order, the optimizer's parameters in its
-    groups' order, as ``Optimizer.load_state_dict`` reads them under every other strategy
-    (``checkpoints.by_position``), after ``Muon``'s routing check; torch's
-    ``FSDP.rekey_optim_state_dict`` names them, and ``set_optimizer_state_dict`` loads them
-    from rank 0 as Lightning does. The weights load by Lightning's ``_load_raw_module_state``.
+    Lightning's ``ModelParallelStrategy`` path for a file, but for the optimizer state's keys:
+    each of ``optimizer_states`` loads by ``load_optimizer_state``. The weights load by
+    Lightning's ``_load_raw_module_state``.
     """
     from lightning.fabric.strategies.model_parallel import _load_raw_module_state
-    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
-    from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
 
     checkpoint = torch.load(path, mmap=True, map_location="cpu", weights_only=weights_only)
     _load_raw_module_state(checkpoint.pop("state_dict"), module, strict=strict)
-    options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True, strict=strict)
     for optimizer, saved in zip(optimizers, checkpoint["optimizer_states"]):
-        optimizer = unwrap(optimizer)
-        if isinstance(optimizer, Muon):  # a routing change named here, before its ids are read
-            check_checkpoint_routing(optimizer.param_groups, saved)
-        named = FullyShardedDataParallel.rekey_optim_state_dict(
-            by_position(saved), OptimStateKeyType.PARAM_NAME, module, optim=optimizer
-        )
-        # torch's broadcast from rank 0 sends a tensor's memory as it lies, and the other ranks
-        # read it row-major: a column-major one (SOAP's eigenbases, saved in their layout)
-        # would reach them transposed. The shards keep the layout of the state they load into.
-        named["state"] = {
-            name: {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
-            for name, entry in named["state"].items()
-        }
-        set_optimizer_state_dict(module, optimizer, optim_state_dict=named, options=options)
+        load_optimizer_state(module, optimizer, saved, strict)
     return checkpoint
+
+
+def load_optimizer_state(module: nn.Module, optimizer: Any, saved: dict[str, Any], strict: bool = True) -> None:
+    """One optimizer's state, as one checkpoint file holds it, into ``optimizer`` of the FSDP2 ``module``.
+
+    A file saved by ``muon_ddp``, ``"auto"`` or ``convert-checkpoint`` (under the Trainer or
+    Fabric) keys the state by position, as ``Optimizer.state_dict()`` does, and Lightning would
+    read the positions in the module's parameter order; ``Muon`` numbers its parameters group
+    by group, so one parameter's state would meet another's shape ("The size of tensor a (12)
+    must match the size of tensor b (9)"). Here the ids the saved groups list are, in order,
+    the optimizer's parameters in its groups' order, as ``Optimizer.load_state_dict`` reads them
+    under every other strategy (``checkpoints.by_position``), after ``Muon``'s routing check;
+    torch's ``FSDP.rekey_optim_state_dict`` names them, and ``set_optimizer_state_dict`` loads
+    them from rank 0 as Lightning does. A state keyed by name (``muon_fsdp``'s own one file)
+    loads the same way.
+    """
+    from torch.distributed.checkpoint.state_dict import StateDictOptions, set_optimizer_state_dict
+    from torch.distributed.fsdp import FullyShardedDataParallel, OptimStateKeyType
+
+    optimizer = unwrap(optimizer)
+    if isinstance(optimizer, Muon):  # a routing change named here, before its ids are read
+        check_checkpoint_routing(optimizer.param_groups, saved)
+    named = FullyShardedDataParallel.rekey_optim_state_dict(
+        by_position(saved), OptimStateKeyType.PARAM_NAME, module, optim=optimizer
+    )
+    # torch's broadcast from rank 0 sends a tensor's memory as it lies, and the other ranks
+    # read it row-major: a column-major one (SOAP's eigenbases, saved in their layout)
+    # would reach them transposed. The shards keep the layout of the state they load into.
+    named["state"] = {
+        name: {k: v.contiguous() if isinstance(v, torch.Tensor) else v for k, v in entry.items()}
+        for name, entry in named["state"].items()
+    }
+    options = StateDictOptions(broadcast_from_rank0=True, full_state_dict=True, strict=strict)
+    set_optimizer_state_dict(module, optimizer, optim_state_dict=named, options=options)

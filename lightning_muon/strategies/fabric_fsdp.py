@@ -10,13 +10,15 @@ Fabric's flow under FSDP2, and what happens at each call (``MuonFSDPCore`` does 
     optimizer.step()                  each Muon matrix's rows to its owner, orthogonalized whole, back
     fabric.clip_gradients(...)        the global norm over every mesh
     fabric.save / fabric.load         distributed checkpoints (a folder, one file per rank),
-                                      loadable at any world size
+                                      loadable at any world size; one file (muon_ddp's, one
+                                      device's, convert-checkpoint's) loads too
 """
 
 from __future__ import annotations
 
 from collections.abc import Callable
 from datetime import timedelta
+from pathlib import Path
 from typing import Any
 
 import torch
@@ -31,7 +33,7 @@ from typing_extensions import override
 from lightning_muon.distributed.fsdp import MuonFSDPSharding
 from lightning_muon.distributed.tensor_parallel import MuonTPSharding
 from lightning_muon.muon import Muon
-from lightning_muon.strategies._checkpoint import explained_reads
+from lightning_muon.strategies._checkpoint import explained_reads, load_optimizer_state
 from lightning_muon.strategies._exit import destroy_process_group_at_exit
 from lightning_muon.strategies.checks import holds_parameters
 from lightning_muon.strategies.ddp_core import unwrap
@@ -164,17 +166,35 @@ class MuonFSDPStrategy(ModelParallelStrategy):
     def load_checkpoint(self, path: Any, state: Any = None, strict: bool = True, **kwargs: Any) -> dict[str, Any]:
         """Fabric's loading (a DCP folder or a file); a damaged one raises ``CheckpointReadError`` naming it.
 
+        From one file (``fabric.save`` under ``muon_ddp`` or one device, ``convert-checkpoint``'s
+        output) the model and the rest load as Fabric loads them, and each optimizer's state by
+        ``load_optimizer_state``: such a file keys it by position, and Fabric would read the
+        positions in the module's parameter order, not the optimizer's.
+
         From a distributed checkpoint folder Fabric's ``ModelParallelStrategy`` puts the saved
         ``state_dict()`` of a stateful object other than the model and optimizers (an lr
         scheduler) in its place in ``state`` instead of loading it into the object; here the
         object loads it and stays in ``state``, as every other Fabric strategy does.
         """
-        stateful = {}
+        from lightning.fabric.strategies.fsdp import _is_full_checkpoint
+        from lightning.fabric.strategies.model_parallel import _has_dtensor_modules
+
+        stateful, optimizers = {}, {}
         if isinstance(state, dict):
             stateful = {k: v for k, v in state.items() if isinstance(v, _Stateful) and not isinstance(v, nn.Module)}
             stateful = {k: v for k, v in stateful.items() if not isinstance(v, Optimizer)}
         with explained_reads(path):
-            remainder = super().load_checkpoint(path, state, strict=strict, **kwargs)
+            path = Path(self.broadcast(path))  # rank 0's, as Fabric takes it
+            if isinstance(state, dict) and _is_full_checkpoint(path):
+                optimizers = {k: v for k, v in state.items() if isinstance(v, Optimizer)}
+                rest = {k: v for k, v in state.items() if k not in optimizers}
+                remainder = super().load_checkpoint(path, rest, strict=strict, **kwargs)
+                state.update(rest)  # what Fabric moved into it from the file
+                module = next(v for v in rest.values() if _has_dtensor_modules(v))
+                for key, optimizer in optimizers.items():
+                    load_optimizer_state(module, optimizer, remainder.pop(key), strict)
+            else:
+                remainder = super().load_checkpoint(path, state, strict=strict, **kwargs)
         for key, obj in stateful.items():
             if state[key] is not obj:
                 obj.load_state_dict(state[key])
