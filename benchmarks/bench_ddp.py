@@ -20,8 +20,11 @@ Usage::
     python benchmarks/bench_ddp.py --quick          # tiny model, 2 timed steps (smoke test)
     python benchmarks/bench_ddp.py --world-size 3 --steps 30 --out /tmp/ddp.json
     python benchmarks/bench_ddp.py --device cuda    # NCCL, rank r on cuda:r: one GPU per rank
+    python benchmarks/bench_ddp.py --memory         # memory per rank of one step instead
 
-benchmarks/README.md ("bench_ddp.py") says what each row measures and why.
+``--memory`` measures instead each rank's memory in one optimizer step: ``muon_ddp`` against
+DDP + AdamW and DDP + Muon replicated, CharGPT d=768 x 2 (``benchlib.memory_ranks``).
+benchmarks/README.md ("bench_ddp.py", "Memory") says what each row measures and why.
 """
 
 from __future__ import annotations
@@ -35,9 +38,11 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
+from benchlib import memory_ranks
 from benchlib.counting import NSCounter, WireCounter
-from benchlib.ddp_summary import CONFIGS, Settings, print_report, summarize
+from benchlib.ddp_summary import CONFIGS, Settings, print_report, settings_from_args, summarize
 from benchlib.harness import describe_machine, load_average, machine_line, sync, targets_met, write_report
+from benchlib.memory import add_memory_arguments, memory_settings, run_memory
 from benchlib.ranks import add_rank_arguments, char_batch, char_gpt, check_rank_arguments, ranks_line, run_ranks
 from torch import Tensor, nn
 from torch.nn.parallel import DistributedDataParallel
@@ -50,6 +55,7 @@ from lightning_muon.strategies.ddp_core import MuonDDPCore
 from lightning_muon_demo.models import CharGPT
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_ddp.json"
+MEMORY_OUT = DEFAULT_OUT.with_name("bench_ddp_memory.json")
 # Hyperparameters (they do not change the cost).
 LR, WEIGHT_DECAY, ADAMW_LR = 0.02, 0.01, 3e-4
 # The collectives counted: DDP's bucket all-reduce, MuonSharding's reduce-scatter and
@@ -315,42 +321,29 @@ def rank_results(s: Settings) -> list[dict[str, Any]]:
 # ---------------------------------------------------------------- main
 
 
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    if args.quick:
-        values = dict(
-            n_layer=2, n_embd=32, n_head=2, block_size=16, batch=2, count_steps=2, warmup=1, steps=2, wide_budget_s=5.0
-        )
-    else:
-        # d=256: Newton-Schulz is most of the single-process step (18.8 GFLOP), as in the models Muon is for.
-        values = dict(
-            n_layer=4,
-            n_embd=256,
-            n_head=4,
-            block_size=64,
-            batch=4,
-            count_steps=3,
-            warmup=2,
-            steps=15,
-            wide_budget_s=20.0,
-        )
-    for key in ("n_layer", "n_embd", "steps", "warmup"):
-        if getattr(args, key) is not None:
-            values[key] = getattr(args, key)
-    return Settings(quick=args.quick, world_size=args.world_size, threads=args.threads, device=args.device, **values)
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_rank_arguments(parser, DEFAULT_OUT, quick_help="tiny model, 2 timed steps (a smoke test, 20-40 s)")
+    quick = "tiny model, 2 timed steps (a smoke test, 20-40 s)"
+    add_rank_arguments(parser, DEFAULT_OUT, quick_help=quick, memory_out=MEMORY_OUT)
     parser.add_argument("--n-layer", type=int, default=None, help="CharGPT blocks (default 4; 2 with --quick)")
     parser.add_argument("--n-embd", type=int, default=None, help="CharGPT width (default 256; 32 with --quick)")
     parser.add_argument("--steps", type=int, default=None, help="timed steps per configuration (default 15)")
     parser.add_argument("--warmup", type=int, default=None, help="untimed rounds first (default 2)")
-    return check_rank_arguments(parser, parser.parse_args(argv))
+    add_memory_arguments(parser, "muon_ddp against DDP + AdamW and DDP + Muon replicated, CharGPT d=768 x 2")
+    args = check_rank_arguments(parser, parser.parse_args(argv))
+    if args.memory and any(v is not None for v in (args.n_layer, args.n_embd, args.steps, args.warmup)):
+        parser.error("--memory measures its own model and step: --n-layer, --n-embd, --steps, --warmup do not apply")
+    if args.out is None:
+        args.out = MEMORY_OUT if args.memory else DEFAULT_OUT
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.memory:
+        size = memory_ranks.char_model_size(args.quick)
+        cfg = memory_settings(args, threads=args.threads, world_size=args.world_size, dist_model=size)
+        return run_memory(cfg, {"ddp": (memory_ranks.bench_ddp, memory_ranks.print_ddp)}, args.out)
     s = settings_from_args(args)
     machine = describe_machine(s.device)
     print(f"lightning_muon DDP benchmark ({'quick' if s.quick else 'full'}), {time.strftime('%Y-%m-%d %H:%M:%S')}")

@@ -21,42 +21,37 @@ Usage::
     python benchmarks/bench_fsdp.py --quick          # tiny model, 2 timed steps (smoke test)
     python benchmarks/bench_fsdp.py --world-size 3 --out /tmp/fsdp.json
     python benchmarks/bench_fsdp.py --device cuda    # NCCL, rank r on cuda:r: one GPU per rank
+    python benchmarks/bench_fsdp.py --memory         # memory per rank of one step instead
+
+``--memory`` measures instead each rank's memory in one optimizer step: ``muon_fsdp`` (owner)
+against FSDP2 + AdamW, foreach and for-loop, CharGPT d=768 x 2 (``benchlib.memory_ranks``).
+benchmarks/README.md ("bench_fsdp.py", "Memory") says what each row measures and why;
+the summary and tables are ``benchlib.fsdp_summary``'s.
 """
 
 from __future__ import annotations
 
 import argparse
 import math
-import statistics
 import sys
 import time
-from dataclasses import dataclass
 from pathlib import Path
 from typing import Any
 
 import torch
 import torch.distributed as dist
+from benchlib import memory_ranks
 from benchlib.counting import NSCounter, WireCounter
-from benchlib.harness import (
-    describe_machine,
-    fixed_cell,
-    machine_line,
-    sync,
-    table,
-    target,
-    targets_met,
-    verdict,
-    write_report,
-)
+from benchlib.fsdp_summary import CONFIGS, TIMES, Settings, print_report, projection, settings_from_args, summarize
+from benchlib.harness import describe_machine, machine_line, sync, targets_met, write_report
+from benchlib.memory import add_memory_arguments, memory_settings, run_memory
 from benchlib.ranks import (
-    RankSettings,
     add_rank_arguments,
     char_batch,
     char_gpt,
     check_rank_arguments,
     ranks_line,
     run_ranks,
-    slowest_rank_median,
 )
 from torch import Tensor
 
@@ -66,25 +61,12 @@ from lightning_muon.distributed.fsdp import MuonFSDPSharding, _matrix_shape, sha
 from lightning_muon_demo.models import CharGPT
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_fsdp.json"
-CONFIGS = ("adamw", "owner", "gather_all", "blockwise")
-TIMES = ("step", "optimizer", "optimizer_cpu")
+MEMORY_OUT = DEFAULT_OUT.with_name("bench_fsdp_memory.json")
 LR, WEIGHT_DECAY, ADAMW_LR = 0.02, 0.01, 3e-4
 
 # The collectives counted: FSDP2's all-gathers and reduce-scatters, the shardings' all-to-all
 # and all-gather, and the per-step agreement on finiteness (all-reduce).
 WIRE_OPS = ("all_gather_single", "reduce_scatter_single", "all_to_all_single", "all_reduce", "all_gather_into_tensor")
-
-# Targets (benchmarks/README.md, "bench_fsdp.py").
-FLOPS_SLACK = 1.1  # owner: busiest rank's Newton-Schulz FLOPs <= FLOPS_SLACK / W of the total
-MUON_BYTES_SLACK = 0.02  # owner's Muon bytes / gather_all's <= 2 / W + slack (the analytic ratio)
-
-
-@dataclass(frozen=True, kw_only=True)
-class Settings(RankSettings):
-    """The shared world and model (``ranks.RankSettings``); bytes and FLOPs are per timed step."""
-
-    ns_dtype: str | None = None
-    """Newton-Schulz dtype; None is the automatic policy (bf16 where this host's bf16 matmul is fast)."""
 
 
 class GatherAllSharding(MuonFSDPSharding):
@@ -249,168 +231,30 @@ def rank_results(s: Settings) -> list[dict[str, Any]]:
     return run_ranks(_rank_main, s.world_size, s, backend=s.backend, threads=s.threads)
 
 
-# ---------------------------------------------------------------- summary and report
-
-
-def summarize(s: Settings, ranks: list[dict[str, Any]]) -> dict[str, Any]:
-    w, first = s.world_size, ranks[0]
-    bytes_ = {}
-    for c in CONFIGS:
-        per_rank = [r["configs"][c]["bytes_per_step"] for r in ranks]
-        total = [sum(b.values()) for b in per_rank]
-        # The sharding's own count (CommStats) is the Muon part; FSDP2 sent the rest.
-        muon = [sum(r["configs"][c]["sharding_bytes_per_step"].values()) for r in ranks]
-        bytes_[c] = {"per_rank_by_op": per_rank, "total": total, "muon": muon}
-        bytes_[c]["fsdp"] = [t - m for t, m in zip(total, muon)]
-    baseline = max(bytes_["adamw"]["total"])
-    for c in CONFIGS:
-        bytes_[c]["ratio_to_adamw"] = max(bytes_[c]["total"]) / baseline
-    gather_muon = max(bytes_["gather_all"]["muon"])
-    muon_ratio = max(bytes_["owner"]["muon"]) / gather_muon
-    total_flops = first["single"]["ns_flops_per_step"]
-    flops = {
-        "single": total_flops,
-        **{c: [r["configs"][c]["ns_flops_per_step"] for r in ranks] for c in CONFIGS if c != "adamw"},
-    }
-    max_share = max(flops["owner"]) / total_flops
-    single_times = {k: statistics.median(v) for k, v in first["single"]["times_s"].items()}
-    times = {
-        "single": single_times,
-        **{c: {k: slowest_rank_median(ranks, c, k) for k in TIMES} for c in CONFIGS},
-    }
-    for c in CONFIGS:
-        for k in TIMES:
-            times[c][f"{k}_ratio_to_single"] = times[c][k] / single_times[k]
-    if s.device == "cuda":
-        # The host's CPU time there is mostly waiting for the GPU: not a measure of the work.
-        for entry in times.values():
-            for key in ("optimizer_cpu", "optimizer_cpu_ratio_to_single"):
-                if key in entry:
-                    entry[key] = None
-    targets = [
-        target(f"owner: NS FLOPs, busiest rank / all <= {FLOPS_SLACK}/W", max_share, "<=", FLOPS_SLACK / w),
-        target("owner: Muon bytes / gather_all's <= 2/W (+2%)", muon_ratio, "<=", 2 / w + MUON_BYTES_SLACK),
-    ]
-    return {
-        "bytes": bytes_,
-        "muon_bytes_owner_over_gather_all": muon_ratio,
-        "flops": flops,
-        "owner_max_flops_share": max_share,
-        "times": times,
-        "targets": targets,
-    }
-
-
-def projection(s: Settings, first: dict[str, Any], summary: dict[str, Any], worlds=(2, 4, 8, 16, 64)) -> list:
-    """Bytes per rank and step at larger W, from the formulas the measured W checks.
-
-    Owner: ``2 (W - 1) / W^2 * P`` elements (its rows of the others' matrices out, the rows
-    of its own matrices back); gather-all: ``(W - 1) / W * P``; FSDP2's own traffic scales
-    as ``(W - 1) / W`` from the value measured here.
-    """
-    muon, itemsize = first["numel"]["muon"], 2 if first["wire_dtype"] == "bfloat16" else 4
-    w0 = s.world_size
-    fsdp = max(summary["bytes"]["adamw"]["fsdp"]) / ((w0 - 1) / w0)
-    rows = []
-    for w in worlds:
-        rows.append(
-            {
-                "world_size": w,
-                "owner_mb": 2 * (w - 1) / w**2 * muon * itemsize / 1e6,
-                "gather_all_mb": (w - 1) / w * muon * itemsize / 1e6,
-                "fsdp_mb": (w - 1) / w * fsdp / 1e6,
-            }
-        )
-    return rows
-
-
-def print_report(s: Settings, ranks: list[dict[str, Any]], summary: dict[str, Any]) -> None:
-    first, w = ranks[0], s.world_size
-    b, f, t = summary["bytes"], summary["flops"], summary["times"]
-    cpu = s.device == "cpu"  # on CUDA the CPU-time columns are dropped: the host mostly waits there
-    backend = "gloo" if cpu else "nccl"
-    print(
-        f"\n== Muon under FSDP2, {w} {backend} ranks x {s.threads} thread(s): "
-        f"CharGPT d={s.n_embd} x {s.n_layer} layers, "
-        f"{first['muon_matrices']} Muon matrices ({first['numel']['muon']:,} of {first['numel']['total']:,} elements), "
-        f"wire dtype {first['wire_dtype']} =="
-    )
-    rows = []
-    for c in CONFIGS:
-        ns = "-" if c == "adamw" else max(f[c]) / 1e9
-        rows.append(
-            [
-                c,
-                max(b[c]["fsdp"]) / 1e6,
-                max(b[c]["muon"]) / 1e6,
-                max(b[c]["total"]) / 1e6,
-                b[c]["ratio_to_adamw"],
-                ns,
-                t[c]["optimizer"] * 1e3,
-                t[c]["optimizer_ratio_to_single"],
-                *([t[c]["optimizer_cpu"] * 1e3, t[c]["optimizer_cpu_ratio_to_single"]] if cpu else []),
-                t[c]["step"] * 1e3,
-                t[c]["step_ratio_to_single"],
-            ]
-        )
-    single = t["single"]
-    rows.append(["1 process", 0.0, 0.0, 0.0, "-", f["single"] / 1e9, single["optimizer"] * 1e3, 1.0])
-    rows[-1] += [*([single["optimizer_cpu"] * 1e3, 1.0] if cpu else []), single["step"] * 1e3, 1.0]
-    headers = ["config", "FSDP MB", "Muon MB", "total MB", "/ adamw", "NS GFLOP", "opt ms", "/ 1 proc"]
-    headers += ["opt CPU ms", "/ 1 proc"] if cpu else []
-    print(table([*headers, "step ms", "/ 1 proc"], rows, fixed_cell))
-    print(
-        "MB sent per step by the busiest rank (all calls to torch.distributed, counted by a wrapper; Muon = the\n"
-        "sharding's own count, FSDP = the rest); NS GFLOP = Newton-Schulz work of the busiest rank; times: slowest\n"
-        f"rank, median of {s.steps} steps (opt = Muon.step or AdamW.step; step = forward + backward + opt);\n"
-        f"1 process = {w} x {s.batch} sequences, {s.threads} thread(s)"
-        + ("" if cpu else ", on cuda:0; times synchronized")
-    )
-    ratio = summary["muon_bytes_owner_over_gather_all"]
-    print(f"owner Muon bytes / gather_all Muon bytes = {ratio:.3f} (2/W = {2 / w:.3f})")
-    print("\n== Muon MB per rank and step at larger W (formulas; the measured W checks them) ==")
-    proj = projection(s, first, summary)
-    print(
-        table(
-            ["W", "owner", "gather_all", "FSDP2 (AdamW)"],
-            [[p["world_size"], p["owner_mb"], p["gather_all_mb"], p["fsdp_mb"]] for p in proj],
-            fixed_cell,
-        )
-    )
-    for t in summary["targets"]:
-        print(f"target {t['name']}: {t['value']:.3f} {t['op']} {t['bound']:.3f} {verdict(t['passed'])}")
-
-
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
-    add_rank_arguments(parser, DEFAULT_OUT, quick_help="tiny model, 2 timed steps (a smoke test)")
+    add_rank_arguments(
+        parser, DEFAULT_OUT, quick_help="tiny model, 2 timed steps (a smoke test)", memory_out=MEMORY_OUT
+    )
     parser.add_argument("--steps", type=int, default=None, help="timed steps (default 8; 2 with --quick)")
     parser.add_argument(
         "--ns-dtype", choices=("float32", "bfloat16"), default=None, help="Newton-Schulz dtype (default: automatic)"
     )
-    return check_rank_arguments(parser, parser.parse_args(argv))
-
-
-def settings_from_args(args: argparse.Namespace) -> Settings:
-    if args.quick:
-        values = dict(n_layer=2, n_embd=32, n_head=2, block_size=16, batch=2, warmup=1, steps=2)
-    else:
-        # d=256: Newton-Schulz is most of a single process's optimizer step, as in the models Muon is for.
-        values = dict(n_layer=4, n_embd=256, n_head=4, block_size=64, batch=4, warmup=2, steps=8)
-    if args.steps is not None:
-        values["steps"] = args.steps
-    return Settings(
-        quick=args.quick,
-        world_size=args.world_size,
-        threads=args.threads,
-        ns_dtype=args.ns_dtype,
-        device=args.device,
-        **values,
-    )
+    add_memory_arguments(parser, "muon_fsdp against FSDP2 + AdamW (foreach, for-loop), CharGPT d=768 x 2")
+    args = check_rank_arguments(parser, parser.parse_args(argv))
+    if args.memory and (args.steps is not None or args.ns_dtype is not None):
+        parser.error("--memory measures one step in the automatic dtype: --steps and --ns-dtype do not apply")
+    if args.out is None:
+        args.out = MEMORY_OUT if args.memory else DEFAULT_OUT
+    return args
 
 
 def main(argv: list[str] | None = None) -> int:
     args = parse_args(argv)
+    if args.memory:
+        size = memory_ranks.char_model_size(args.quick)
+        cfg = memory_settings(args, threads=args.threads, world_size=args.world_size, dist_model=size)
+        return run_memory(cfg, {"fsdp": (memory_ranks.bench_fsdp, memory_ranks.print_fsdp)}, args.out)
     s = settings_from_args(args)
     machine = describe_machine(s.device)
     print(f"lightning_muon FSDP2 benchmark ({'quick' if s.quick else 'full'}), {time.strftime('%Y-%m-%d %H:%M:%S')}")

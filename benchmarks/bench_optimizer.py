@@ -1,6 +1,6 @@
 """Benchmarks: Newton-Schulz accuracy, optimizer step time against torch.optim.Muon,
 throughput against plain matmul, the batching threshold, Gram Newton-Schulz, and the
-symmetric products by blocks.
+symmetric products by blocks; on request, the step's memory against torch.optim.Muon.
 
 One run prints every table from the same inputs (fixed seeds) on one machine, names
 that machine first, and writes the same numbers as JSON. Ratios measured in the run
@@ -12,6 +12,7 @@ Usage::
     python benchmarks/bench_optimizer.py --quick          # tiny sizes, 1 rep (smoke test)
     python benchmarks/bench_optimizer.py --sections step roofline --out /tmp/r.json
     python benchmarks/bench_optimizer.py --sections step --step-processes 5   # the medians of 5 processes
+    python benchmarks/bench_optimizer.py --sections memory --device cpu       # the step's memory (not in "all")
 
 benchmarks/README.md says what each table measures and which targets it checks.
 """
@@ -36,12 +37,15 @@ from benchlib.harness import (
     verdict,
     write_report,
 )
+from benchlib.memory import add_memory_arguments, memory_settings
+from benchlib.memory_optimizer import bench_memory_section, model_size
 from benchlib.ns_tables import bench_accuracy, bench_batching, bench_gram, bench_roofline, bench_symmetric
 from benchlib.step_table import bench_step
 from benchlib.timing import Settings
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_optimizer.json"
-SECTIONS = ("accuracy", "step", "roofline", "batching", "gram", "symmetric")
+SECTIONS = ("accuracy", "step", "roofline", "batching", "gram", "symmetric", "memory")
+DEFAULT_SECTIONS = SECTIONS[:-1]  # memory (MemTracker on a CPU) only when asked for
 
 
 # ---------------------------------------------------------------- main
@@ -60,7 +64,13 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser = argparse.ArgumentParser(description=__doc__.split("\n\n")[0])
     parser.add_argument("--device", default="cuda" if torch.cuda.is_available() else "cpu", help="cpu or cuda[:i]")
     parser.add_argument("--quick", action="store_true", help="tiny sizes and 1 rep (a smoke test, < 20 s)")
-    parser.add_argument("--sections", nargs="+", choices=SECTIONS, default=list(SECTIONS), help="tables to run")
+    parser.add_argument(
+        "--sections",
+        nargs="+",
+        choices=SECTIONS,
+        default=list(DEFAULT_SECTIONS),
+        help="tables (default: all but memory)",
+    )
     parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help=f"JSON output (default {DEFAULT_OUT})")
     parser.add_argument(
         "--step-budget",
@@ -77,6 +87,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
         " which moved the same rows by up to 10%% between processes on a 2-core VM",
     )
     parser.add_argument("--threads", type=int, default=None, help="torch CPU threads (default: torch's choice)")
+    add_memory_arguments(parser, None)
     args = parser.parse_args(argv)
     if args.step_processes < 1:
         parser.error(f"--step-processes must be at least 1, got {args.step_processes}")
@@ -110,12 +121,17 @@ def main(argv: list[str] | None = None) -> int:
         },
         "sections": {},
     }
+    benches = dict(BENCHES)
+    if "memory" in args.sections:
+        cfg = memory_settings(args, single_model=model_size(args.quick))
+        report["settings"].update(step_memory_given=cfg["step_memory_given"], step_memory_mb=cfg["step_memory_mb"])
+        benches["memory"] = lambda _: bench_memory_section(cfg)
     start = time.perf_counter()
     for name in SECTIONS:
         if name not in args.sections:
             continue
         section_start = time.perf_counter()
-        result = BENCHES[name](settings)
+        result = benches[name](settings)
         result["elapsed_s"] = time.perf_counter() - section_start
         report["sections"][name] = result
         print(f"({name}: {result['elapsed_s']:.1f} s)")

@@ -47,7 +47,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from benchlib.harness import describe_machine, machine_line, sync, timed_fit  # a sibling script, not a package
+from benchlib.harness import describe_machine, machine_line, sync, timed_fit
 
 from lightning_muon import QKClip
 from lightning_muon.attention import maxima

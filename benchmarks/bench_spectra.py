@@ -11,6 +11,7 @@ Usage::
     python benchmarks/bench_spectra.py --steps 200 --repeats 5
     python benchmarks/bench_spectra.py --quick         # tiny model, a few steps (smoke test)
     python benchmarks/bench_spectra.py --device cuda   # on a GPU
+    python benchmarks/bench_spectra.py --memory        # the step's memory with the post-step callbacks instead
 
 Columns: ``matrices`` watched and ``logged`` steps in the monitored run; seconds per
 training step without and with the callback (medians over ``--repeats``); ``ratio``: the
@@ -18,6 +19,10 @@ median over the back-to-back pairs of monitored / baseline time (neighbours on a
 machine move it by several percent either way, more when their load changes); ``in callback``:
 time inside the callback's hooks and observer over the monitored run's time, which the
 verdict checks against the target. The JSON holds the machine, the settings and every run.
+
+``--memory`` measures instead what the callbacks that work after the optimizer step add to
+its memory: ``UpdateSpectrumMonitor`` (every step), ``QKClip`` and both, against none
+(``benchlib.memory_callbacks``; benchmarks/README.md, "Memory").
 """
 
 from __future__ import annotations
@@ -34,19 +39,16 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from benchlib.harness import (  # a sibling script, not a package
-    check_device,
-    describe_machine,
-    machine_line,
-    sync,
-    timed_fit,
-)
+from benchlib.harness import check_device, describe_machine, machine_line, sync, timed_fit
+from benchlib.memory import add_memory_arguments, memory_settings, run_memory
+from benchlib.memory_callbacks import bench_callbacks, model_size, print_callbacks
 
 from lightning_muon import UpdateSpectrumMonitor
 from lightning_muon_demo.data import CharTextDataModule
 from lightning_muon_demo.module import CharGPTModule
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_spectra.json"
+MEMORY_OUT = DEFAULT_OUT.with_name("bench_spectra_memory.json")
 TARGET_OVERHEAD = 0.05
 
 # configs/muon.yaml's model and batch; --quick shrinks both.
@@ -135,11 +137,16 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     )
     parser.add_argument("--quick", action="store_true", help="tiny model and a few steps: a smoke test")
     parser.add_argument("--threads", type=int, default=None, help="torch.set_num_threads before measuring")
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT, help="JSON path (git-ignored folder by default)")
+    parser.add_argument("--out", type=Path, help=f"JSON path (default {DEFAULT_OUT}; {MEMORY_OUT.name} with --memory)")
     parser.add_argument("--device", default="cpu", help="cpu (default) or cuda[:i]")
+    add_memory_arguments(parser, "a Lightning fit's second step with UpdateSpectrumMonitor, QKClip, both, none")
     args = parser.parse_args(argv)
     if any(v is not None and v < 1 for v in (args.steps, args.every, args.repeats)):
         parser.error("--steps, --every and --repeats must be >= 1")
+    if args.memory and any(v is not None for v in (args.steps, args.every, args.repeats)):
+        parser.error("--memory fits its own 2 steps: --steps, --every and --repeats do not apply")
+    if args.out is None:
+        args.out = MEMORY_OUT if args.memory else DEFAULT_OUT
     return check_device(parser, args)
 
 
@@ -149,6 +156,9 @@ def main(argv: list[str] | None = None) -> int:
     if args.threads is not None:
         torch.set_num_threads(args.threads)
     logging.getLogger("lightning.pytorch").setLevel(logging.WARNING)  # routing reports, tips
+    if args.memory:
+        cfg = memory_settings(args, callbacks_model=model_size(args.quick))
+        return run_memory(cfg, {"callbacks": (bench_callbacks, print_callbacks)}, args.out)
     shape = QUICK if args.quick else DEMO
     steps = args.steps or (12 if args.quick else 50)
     repeats = args.repeats or (1 if args.quick else 3)

@@ -20,6 +20,12 @@ Usage::
     python benchmarks/bench_tp.py                 # d=256 x 2 blocks, 2 x 2 mesh, about 1 min
     python benchmarks/bench_tp.py --quick         # d=64, 2 timed steps (smoke test)
     python benchmarks/bench_tp.py --d-model 512 --blocks 4 --out /tmp/tp.json
+    python benchmarks/bench_tp.py --memory        # memory per rank of one step instead (d=768 x 2 blocks)
+
+``--memory`` measures instead each rank's memory in one optimizer step, ``Muon`` +
+``MuonTPSharding`` in each ``tp_mode`` against AdamW on the same DTensors
+(``benchlib.memory_ranks``; benchmarks/README.md, "Memory"). The blocks are
+``benchlib.tp_blocks``'.
 """
 
 from __future__ import annotations
@@ -33,9 +39,10 @@ from typing import Any
 
 import torch
 import torch.distributed as dist
-from benchlib import harness
+from benchlib import harness, memory_ranks
+from benchlib.memory import add_memory_arguments, memory_settings, run_memory
 from benchlib.ranks import run_ranks
-from torch import nn
+from benchlib.tp_blocks import COLWISE, build_model, shapes
 
 import lightning_muon.distributed.tensor_parallel as tp_module
 from lightning_muon import Muon
@@ -44,39 +51,8 @@ from lightning_muon.distributed.tp_math import TP_MODES, tp_bytes, tp_ns_flops
 from lightning_muon.newton_schulz import ns_flops
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_tp.json"
+MEMORY_OUT = DEFAULT_OUT.with_name("bench_tp_memory.json")
 NS_STEPS = 5
-COLWISE = ("q", "k", "v", "fc1")
-
-
-def shapes(d: int) -> dict[str, tuple[int, int]]:
-    """One block's matrices, (out, in) as nn.Linear stores them."""
-    return {"q": (d, d), "k": (d // 4, d), "v": (d // 4, d), "proj": (d, d), "fc1": (4 * d, d), "fc2": (d, 4 * d)}
-
-
-class Block(nn.Module):
-    """A transformer block's matrices (no forward needed: the benchmark only steps the optimizer)."""
-
-    def __init__(self, d: int) -> None:
-        super().__init__()
-        for name, (rows, cols) in shapes(d).items():
-            setattr(self, name, nn.Linear(cols, rows, bias=False))
-
-    def forward(self, x: torch.Tensor) -> torch.Tensor:
-        return x  # fully_shard needs a forward to hook; none runs here
-
-
-def build_model(d: int, blocks: int, mesh, device: str) -> nn.ModuleList:
-    """``blocks`` blocks of width ``d``: tensor-parallel on the mesh's tensor dim, FSDP2 on its data dim."""
-    from torch.distributed.fsdp import fully_shard
-    from torch.distributed.tensor.parallel import ColwiseParallel, RowwiseParallel, parallelize_module
-
-    torch.manual_seed(0)
-    model = nn.ModuleList(Block(d) for _ in range(blocks)).to(device)
-    plan = {n: ColwiseParallel() if n in COLWISE else RowwiseParallel() for n in shapes(d)}
-    for block in model:
-        parallelize_module(block, mesh[TP_DIM], plan)
-        fully_shard(block, mesh=mesh[DP_DIM])
-    return model
 
 
 class FlopCounter:
@@ -163,16 +139,27 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     parser.add_argument("--quick", action="store_true", help="d=64, 1 warmup + 2 timed steps")
     parser.add_argument("--dp", type=int, default=2, help="data-parallel size")
     parser.add_argument("--tp", type=int, default=2, help="tensor-parallel size")
-    parser.add_argument("--d-model", type=int, default=256)
+    parser.add_argument("--d-model", type=int, default=None, help="block width (default 256; 768 with --memory)")
     parser.add_argument("--blocks", type=int, default=2)
-    parser.add_argument("--steps", type=int, default=5)
+    parser.add_argument("--steps", type=int, default=None, help="timed steps (default 5)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank")
-    parser.add_argument("--ns-dtype", default="float32", choices=("float32", "bfloat16"))
+    parser.add_argument("--ns-dtype", default=None, choices=("float32", "bfloat16"), help="(default float32)")
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo (default); cuda: NCCL, rank r on cuda:r"
     )
-    parser.add_argument("--out", type=Path, default=DEFAULT_OUT)
+    parser.add_argument(
+        "--out", type=Path, help=f"JSON output (default {DEFAULT_OUT}; {MEMORY_OUT.name} with --memory)"
+    )
+    add_memory_arguments(parser, "Muon in each tp_mode against AdamW, d=768 x 2 blocks")
     a = parser.parse_args(argv)
+    if a.memory and (a.steps is not None or a.ns_dtype is not None):
+        parser.error("--memory measures one step in the automatic dtype: --steps and --ns-dtype do not apply")
+    defaults = dict(
+        d_model=768 if a.memory else 256, steps=5, ns_dtype="float32", out=MEMORY_OUT if a.memory else DEFAULT_OUT
+    )
+    for name, value in defaults.items():
+        if getattr(a, name) is None:
+            setattr(a, name, value)
     for name in ("dp", "tp", "d_model", "blocks", "steps", "threads"):
         if getattr(a, name) < 1:
             parser.error(f"--{name.replace('_', '-')} must be >= 1")
@@ -186,8 +173,12 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     return a
 
 
-def main(argv: list[str] | None = None) -> dict[str, Any]:
+def main(argv: list[str] | None = None) -> int:
     a = parse_args(argv)
+    if a.memory:
+        size = (64 if a.quick else a.d_model, a.blocks)
+        cfg = memory_settings(a, threads=a.threads, mesh=[a.dp, a.tp], mesh_model=size)
+        return run_memory(cfg, {"mesh": (memory_ranks.bench_mesh, memory_ranks.print_mesh)}, a.out)
     args = dict(
         dp=a.dp,
         tp=a.tp,
@@ -251,8 +242,8 @@ def main(argv: list[str] | None = None) -> dict[str, Any]:
     )
     result = {"machine": machine, "settings": args, "rows": rows}
     harness.write_report(a.out, result)
-    return result
+    return 0
 
 
 if __name__ == "__main__":
-    sys.exit(0 if main() else 1)
+    sys.exit(main())

@@ -9,9 +9,8 @@
 # With less device time left than that, give a smaller timeout_s and GPU_CHECK_BUDGET about
 # 60 s under it (GPU_CHECK_BUDGET=300 bash benchmarks/gpu_check.sh).
 #
-# Here, on a CPU, the same steps shrunk (under a minute; every step should end with rc 0,
-# bench_memory with "skip" while benchmarks/bench_memory.py does not exist). Smoke mode
-# installs nothing: it names the carried wheels it would install.
+# Here, on a CPU, the same steps shrunk (under a minute; every step should end with rc 0).
+# Smoke mode installs nothing: it names the carried wheels it would install.
 #
 #     . .venv/bin/activate && bash benchmarks/gpu_check.sh --smoke    # or GPU_CHECK_SMOKE=1
 #
@@ -43,8 +42,8 @@
 # Every step runs under its own `timeout`, and the run under one overall budget
 # (GPU_CHECK_BUDGET seconds, default 540 on the GPU, 120 in smoke mode): a step gets
 # min(its cap, what is left), and a step with under 15 s left is skipped (rc "budget"; rc
-# "skip": the step does not apply, as bench_memory without its script). A failed step
-# does not stop the others. The summary table (step, rc, seconds) is printed last and
+# "skip": a step named in GPU_CHECK_SKIP). A failed step does not stop the others. The
+# summary table (step, rc, seconds) is printed last and
 # written to $OUT/summary.txt; each step's whole output is in $OUT/logs/NN_step.log, the
 # benchmarks' JSON and PNGs beside them in $OUT. Exit status 0 when every step that ran
 # returned 0.
@@ -265,12 +264,8 @@ if [ "$SMOKE" = 1 ]; then
         --sections roofline step --out "$OUT/bench_optimizer.json"
     step scale_model 60 "$PY" benchmarks/scale_model.py --device cpu --profile this-cpu --preset gpt2-small \
         --worlds 8 --tp-degrees 2 --out "$OUT/scale_model.json"
-    if [ -f benchmarks/bench_memory.py ]; then
-        step bench_memory 60 "$PY" benchmarks/bench_memory.py --device cpu --quick --sections single \
-            --out "$OUT/bench_memory.json"
-    else
-        skip bench_memory "no benchmarks/bench_memory.py"
-    fi
+    step memory 60 "$PY" benchmarks/bench_optimizer.py --device cpu --quick --threads 1 --sections memory \
+        --out "$OUT/memory.json"
     step train_step 60 "$PY" benchmarks/bench_train_step.py --device cpu --quick --out "$OUT/bench_train_step.json"
     step main_job 60 "$PY" examples/muon_vs_adamw/main.py --steps 2 --eval-every 1 --out "$OUT/muon_vs_adamw"
     step cli_fit 60 "$PY" -m lightning_muon fit --config configs/muon.yaml --trainer.accelerator=cpu \
@@ -293,14 +288,11 @@ else
     # exposed-communication time as "% of step" for GPT-2 small (d=768 x 12) and 1.3B (d=2048 x 24).
     step scale_model 120 "$PY" benchmarks/scale_model.py --device cuda --preset gpt2-small 1.3b \
         --out "$OUT/scale_model.json"
-    if [ -f benchmarks/bench_memory.py ]; then
-        # torch.cuda.max_memory_allocated per step, ours against torch.optim.Muon and AdamW (one GPU: the
-        # multi-rank sections need a GPU per rank).
-        step bench_memory 120 "$PY" benchmarks/bench_memory.py --device cuda --sections single callbacks \
-            --out "$OUT/bench_memory.json"
-    else
-        skip bench_memory "no benchmarks/bench_memory.py"
-    fi
+    # torch.cuda.max_memory_allocated per step, ours against torch.optim.Muon and AdamW, then with the
+    # post-step callbacks (one GPU: the multi-rank memory measurements need a GPU per rank).
+    step memory 90 "$PY" benchmarks/bench_optimizer.py --device cuda --sections memory --out "$OUT/memory.json"
+    step memory_callbacks 60 "$PY" benchmarks/bench_spectra.py --device cuda --memory \
+        --out "$OUT/memory_callbacks.json"
     # Muon's share of a GPT-2-small training step (forward + backward + step), ours and torch.optim.Muon's.
     step train_step 120 "$PY" benchmarks/bench_train_step.py --device cuda --out "$OUT/bench_train_step.json"
     # The README's main job on the GPU, short.

@@ -1,10 +1,13 @@
-"""benchmarks/bench_memory.py: its byte counts add up (never a memory or timing target asserted).
+"""The benchmarks' memory measurements (``benchlib.memory``): their byte counts add up.
 
-One ``--quick`` run of the ``single`` and ``fsdp`` sections (2 gloo ranks). Per row, the
-transient is the peak less params, grads and state; the tracker saw exactly params, grads,
-state and kept buffers when the step began; and the state of each optimizer is what its
-algorithm keeps, to the byte: ``torch.optim.Muon`` one momentum per matrix, AdamW two
-moments per tensor and a 4-byte step counter (a float32 scalar), ours the same.
+Never a memory or timing target asserted.
+
+Two ``--quick`` runs: ``bench_optimizer.py --sections memory`` (one process) and
+``bench_fsdp.py --memory`` (2 gloo ranks). Per row, the transient is the peak less params,
+grads and state; the tracker saw exactly params, grads, state and kept buffers when the
+step began; and the state of each optimizer is what its algorithm keeps, to the byte:
+``torch.optim.Muon`` one momentum per matrix, AdamW two moments per tensor and a 4-byte step
+counter (a float32 scalar), ours the same.
 """
 
 from __future__ import annotations
@@ -14,6 +17,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import torch
 from bench_runner import run_benchmark
 
 pytestmark = pytest.mark.distributed
@@ -23,14 +27,20 @@ COUNTER = 4  # bytes of one AdamW step counter: torch.tensor(0.0), float32
 
 
 @pytest.fixture(scope="module")
-def run(tmp_path_factory):
-    out = tmp_path_factory.mktemp("bench_memory") / "report.json"
-    return run_benchmark("bench_memory.py", out, "--quick", "--sections", "single", "fsdp", timeout=300)
+def single(tmp_path_factory):
+    out = tmp_path_factory.mktemp("memory") / "single.json"
+    return run_benchmark("bench_optimizer.py", out, "--quick", "--device", "cpu", "--sections", "memory", timeout=300)
 
 
-def _load(monkeypatch: pytest.MonkeyPatch):
-    path = ROOT / "benchmarks" / "bench_memory.py"
-    spec = importlib.util.spec_from_file_location("_bench_bench_memory", path)
+@pytest.fixture(scope="module")
+def fsdp(tmp_path_factory):
+    out = tmp_path_factory.mktemp("memory") / "fsdp.json"
+    return run_benchmark("bench_fsdp.py", out, "--quick", "--memory", timeout=300)
+
+
+def _load(name: str, monkeypatch: pytest.MonkeyPatch):
+    path = ROOT / "benchmarks" / f"{name}.py"
+    spec = importlib.util.spec_from_file_location(f"_bench_{name}", path)
     module = importlib.util.module_from_spec(spec)
     monkeypatch.setitem(sys.modules, spec.name, module)
     spec.loader.exec_module(module)
@@ -50,14 +60,14 @@ def _check_row(row: dict) -> None:
 
 
 @pytest.mark.slow
-def test_single_state_is_what_each_optimizer_keeps(run):
-    report, stdout = run
-    assert report["machine"]["cpu"] in stdout and "== single" in stdout and "== fsdp" in stdout
-    section = report["sections"]["single"]
+def test_single_state_is_what_each_optimizer_keeps(single):
+    report, stdout = single
+    assert report["machine"]["cpu"] in stdout and "== single" in stdout
+    assert "Muon's step_memory_mb: step_memory_mb=auto, the default" in stdout
+    section = report["sections"]["memory"]
     assert section["model"] == [64, 2]
     rows = {r["variant"]: r for r in section["rows"]}
-    assert {"ours", "torch", "adamw"} <= set(rows)
-    assert ("ours_unbounded" in rows) == report["settings"]["step_memory_knob"]
+    assert {"ours", "ours_unbounded", "torch", "adamw"} <= set(rows)
     for row in rows.values():
         _check_row(row)
     first = rows["torch"]
@@ -79,9 +89,8 @@ def test_single_state_is_what_each_optimizer_keeps(run):
     assert adamw["state_bytes"] - adamw["state_counter_bytes"] == 2 * params
     # Ours keeps what the torch pair keeps: a momentum per matrix, AdamW's moments and counters.
     for key in ("ours", "ours_unbounded"):
-        if key in rows:
-            assert rows[key]["state_bytes"] == torch_state
-            assert rows[key]["state_counter_bytes"] == COUNTER * n_other
+        assert rows[key]["state_bytes"] == torch_state
+        assert rows[key]["state_counter_bytes"] == COUNTER * n_other
 
     # The ratios printed are those of the bytes.
     for row in rows.values():
@@ -93,11 +102,13 @@ def test_single_state_is_what_each_optimizer_keeps(run):
         "single: ours' transient / torch.optim.Muon + AdamW's, d=64 x 2",
         "single: ours' state / AdamW's, d=64 x 2",
     }
+    assert report["targets_total"] == 2 and report["settings"]["sections"] == ["memory"]
 
 
 @pytest.mark.slow
-def test_fsdp_rows_add_up_on_every_rank(run):
-    report, _ = run
+def test_fsdp_rows_add_up_on_every_rank(fsdp):
+    report, stdout = fsdp
+    assert report["machine"]["cpu"] in stdout and "== fsdp: FSDP2 on 2 gloo ranks" in stdout
     section = report["sections"]["fsdp"]
     assert section["world_size"] == 2
     rows = section["rows"]
@@ -121,36 +132,53 @@ def test_fsdp_rows_add_up_on_every_rank(run):
     (fsdp_target,) = section["targets"]
     worst = max(r["peak_per_ref"] for r in rows if r["config"] == "owner")
     assert fsdp_target["value"] == pytest.approx(worst)
-    assert report["targets_total"] == 3
+    assert report["targets_total"] == 1
+    assert report["settings"]["step_memory_default"] == "auto" and not report["settings"]["step_memory_given"]
 
 
-def test_step_memory_flag_is_parsed_and_passed_only_where_muon_takes_it(monkeypatch):
-    module = _load(monkeypatch)
-    args = module.parse_args([])
-    assert args.device == "cpu" and args.sections == list(module.SECTIONS) and not args.step_memory_given
-    assert module.our_kwargs(module.settings_from_args(args)) == {}
-    args = module.parse_args(["--step-memory-mb", "64", "--sections", "fsdp", "single"])
-    assert args.step_memory_mb == 64.0 and args.sections == ["single", "fsdp"]
-    cfg = module.settings_from_args(args)
-    monkeypatch.setattr(module, "knob_exists", lambda: True)
-    assert module.our_kwargs(cfg) == {"step_memory_mb": 64.0}
-    monkeypatch.setattr(module, "knob_exists", lambda: False)
-    assert module.our_kwargs(cfg) == {}
-    assert module.parse_args(["--step-memory-mb", "none"]).step_memory_mb is None
+def test_step_memory_flag_is_parsed_and_passed_to_muon(monkeypatch):
+    from benchlib.memory import memory_settings, our_kwargs
+
+    ddp = _load("bench_ddp", monkeypatch)
+    args = ddp.parse_args(["--memory"])
+    assert args.memory and args.out.name == "bench_ddp_memory.json"
+    assert our_kwargs(memory_settings(args)) == {}
+    args = ddp.parse_args(["--memory", "--step-memory-mb", "64"])
+    assert our_kwargs(memory_settings(args)) == {"step_memory_mb": 64.0}
+    assert our_kwargs(memory_settings(ddp.parse_args(["--memory", "--step-memory-mb", "none"]))) == {
+        "step_memory_mb": None
+    }
+    assert ddp.parse_args([]).out.name == "bench_ddp.json" and not ddp.parse_args([]).memory
     for bad in ("0", "-1", "lots"):
         with pytest.raises(SystemExit):
-            module.parse_args(["--step-memory-mb", bad])
+            ddp.parse_args(["--memory", "--step-memory-mb", bad])
 
 
-def test_cuda_refuses_sections_with_more_ranks_than_gpus(monkeypatch, capsys):
-    import torch
+@pytest.mark.parametrize(
+    "name, flags",
+    [
+        ("bench_ddp", ["--steps", "3"]),
+        ("bench_fsdp", ["--ns-dtype", "float32"]),
+        ("bench_tp", ["--steps", "3"]),
+        ("bench_spectra", ["--repeats", "2"]),
+    ],
+)
+def test_memory_refuses_the_timing_flags(name, flags, monkeypatch, capsys):
+    module = _load(name, monkeypatch)
+    module.parse_args(flags)  # taken without --memory
+    with pytest.raises(SystemExit) as exit_info:
+        module.parse_args(["--memory", *flags])
+    assert exit_info.value.code == 2 and "do not apply" in capsys.readouterr().err
 
-    module = _load(monkeypatch)
+
+def test_cuda_refuses_a_mesh_with_more_ranks_than_gpus(monkeypatch, capsys):
     monkeypatch.setattr(torch.cuda, "is_available", lambda: True)
     monkeypatch.setattr(torch.cuda, "device_count", lambda: 1)
-    assert module.parse_args(["--device", "cuda", "--sections", "single", "callbacks"]).device == "cuda"
+    # The one-process measurements need one GPU.
+    assert _load("bench_optimizer", monkeypatch).parse_args(["--device", "cuda", "--sections", "memory"]).device
+    assert _load("bench_spectra", monkeypatch).parse_args(["--device", "cuda", "--memory"]).memory
     with pytest.raises(SystemExit) as exit_info:
-        module.parse_args(["--device", "cuda"])
+        _load("bench_tp", monkeypatch).parse_args(["--device", "cuda", "--memory"])
     assert exit_info.value.code == 2
     err = capsys.readouterr().err
-    assert "one GPU per rank" in err and "mesh runs 4" in err and "device_count() is 1" in err
+    assert "one GPU per rank" in err and "--dp 2 x --tp 2" in err and "device_count() is 1" in err

@@ -1,4 +1,4 @@
-"""benchmarks/scale_memory.py: its per-rank byte counts, and its peak against what bench_memory.py measured."""
+"""benchmarks/benchlib/scale_memory.py: its per-rank byte counts, and its peak against bench_fsdp.py --memory's."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from lightning_muon_demo.models import CharGPT
 
 FP32_BF16_NS = smem.Dtypes(torch.float32, torch.float32, torch.float32, torch.float32, torch.bfloat16)
 
-# One run of `python benchmarks/bench_memory.py --sections fsdp --out /tmp/bm.json`, 2026-11-26
+# One run of `python benchmarks/bench_memory.py --sections fsdp` (now `bench_fsdp.py --memory`), 2026-11-26
 # (CPU, 2 gloo ranks, torch 2.13.0+cpu, fast bf16 matmul: yes, so Newton-Schulz in bf16;
 # step_memory_mb="auto" = 32 MiB on CPU). CharGPT d=768 x 2 layers, vocab 256, block 64, fp32.
 # Bytes per rank, from the JSON's sections.fsdp.rows.
@@ -51,7 +51,7 @@ def test_char_gpt_shapes_are_the_routed_module() -> None:
     assert sorted(model.others) == sorted(spec.others)
 
 
-def test_peak_bounds_bench_memory_fsdp() -> None:
+def test_peak_bounds_the_measured_fsdp_peak() -> None:
     model = smem.char_gpt_like(768, 2, VOCAB, 64)
     ours = smem.muon_fsdp_memory(model, 2, FP32_BF16_NS, CPU_CAP)
     assert (ours["params"], ours["grads"], ours["state"]) == (MEASURED_PARAMS, MEASURED_GRADS, MEASURED_MUON_FSDP_STATE)

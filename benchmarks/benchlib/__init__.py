@@ -1,14 +1,19 @@
 """The benchmarks' library: what the entry scripts in ``benchmarks/`` share. Not a script.
 
-Each entry script (``benchmarks/bench_*.py``, ``scale_model.py``, ``eo_side_by_side.py``)
-imports from here; nothing here imports an entry script or the tests.
+Every top-level file of ``benchmarks/`` is an entry script and imports from here; nothing
+here imports an entry script or the tests.
 
 - ``harness``: tables, targets, JSON reports, the machine line, a timed Lightning fit;
 - ``ranks``: the multi-process launcher (gloo or NCCL), the ranks' flags, model and batches;
 - ``timing``: timed calls within a budget (``bench_optimizer.py``'s tables);
 - ``counting``: bytes per collective and Newton-Schulz FLOPs, counted by wrapping the calls;
 - ``ns_tables``, ``step_table``: ``bench_optimizer.py``'s Newton-Schulz tables and step table;
-- ``ddp_summary``: ``bench_ddp.py``'s summary and tables;
+- ``ddp_summary``, ``fsdp_summary``: ``bench_ddp.py``'s and ``bench_fsdp.py``'s settings, summaries, tables;
+- ``tp_blocks``: ``bench_tp.py``'s blocks on a (data x tensor) mesh;
+- ``memory``: memory per rank of one optimizer step (the meter, the flags, the tables), and
+  its measurements beside what they measure: ``memory_optimizer`` (``bench_optimizer.py
+  --sections memory``), ``memory_ranks`` (``bench_ddp.py``, ``bench_fsdp.py``, ``bench_tp.py``
+  ``--memory``), ``memory_callbacks`` (``bench_spectra.py --memory``);
 - ``scale_profiles``, ``scale_counts``, ``scale_designs``, ``scale_memory``: ``scale_model.py``'s
   hardware profiles, bytes and FLOPs per design, time per step, and memory per rank.
 """
@@ -16,7 +21,12 @@ imports from here; nothing here imports an entry script or the tests.
 __all__ = [
     "counting",
     "ddp_summary",
+    "fsdp_summary",
     "harness",
+    "memory",
+    "memory_callbacks",
+    "memory_optimizer",
+    "memory_ranks",
     "ns_tables",
     "ranks",
     "scale_counts",
@@ -25,4 +35,5 @@ __all__ = [
     "scale_profiles",
     "step_table",
     "timing",
+    "tp_blocks",
 ]

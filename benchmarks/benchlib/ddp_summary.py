@@ -7,13 +7,13 @@ what each row measures and why.
 
 from __future__ import annotations
 
+import argparse
 import statistics
 from dataclasses import dataclass
 from typing import Any
 
 from benchlib.harness import cell, table, target, verdict
 from benchlib.ranks import RankSettings, slowest_rank_median
-
 from lightning_muon.distributed.comm import all_reduce_bytes
 
 # The W-rank configurations, each run on the same W processes: plain DDP (every gradient
@@ -37,6 +37,31 @@ class Settings(RankSettings):
     """Seconds the 1-process x W-threads baseline may use in all: on a busy machine its
     threads wait for each other and one step can take seconds. It stops after that (keeping
     at least one step past the warm-up rounds it got)."""
+
+
+def settings_from_args(args: argparse.Namespace) -> Settings:
+    """The world, model and step counts of ``bench_ddp.py``'s flags (``--quick``: a tiny model)."""
+    if args.quick:
+        values = dict(
+            n_layer=2, n_embd=32, n_head=2, block_size=16, batch=2, count_steps=2, warmup=1, steps=2, wide_budget_s=5.0
+        )
+    else:
+        # d=256: Newton-Schulz is most of the single-process step (18.8 GFLOP), as in the models Muon is for.
+        values = dict(
+            n_layer=4,
+            n_embd=256,
+            n_head=4,
+            block_size=64,
+            batch=4,
+            count_steps=3,
+            warmup=2,
+            steps=15,
+            wide_budget_s=20.0,
+        )
+    for key in ("n_layer", "n_embd", "steps", "warmup"):
+        if getattr(args, key) is not None:
+            values[key] = getattr(args, key)
+    return Settings(quick=args.quick, world_size=args.world_size, threads=args.threads, device=args.device, **values)
 
 
 # ---------------------------------------------------------------- summary

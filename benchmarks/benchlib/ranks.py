@@ -178,12 +178,23 @@ def char_batch(s: RankSettings, step: int, lo: int, hi: int) -> tuple[Tensor, Te
     return tokens[:, :-1].to(s.device), tokens[:, 1:].to(s.device)
 
 
-def add_rank_arguments(parser: argparse.ArgumentParser, default_out: Path, quick_help: str) -> None:
-    """The flags every multi-process benchmark takes: --quick, --world-size, --threads, --steps, --out, --device."""
+def add_rank_arguments(
+    parser: argparse.ArgumentParser, default_out: Path, quick_help: str, memory_out: Path | None = None
+) -> None:
+    """The flags every multi-process benchmark takes: --quick, --world-size, --threads, --out, --device.
+
+    With ``memory_out`` (a benchmark with ``--memory``) ``--out`` defaults to None: the script
+    picks ``memory_out`` or ``default_out`` by the mode.
+    """
     parser.add_argument("--quick", action="store_true", help=quick_help)
     parser.add_argument("--world-size", type=int, default=2, help="gloo ranks (default 2; targets scale with it)")
     parser.add_argument("--threads", type=int, default=1, help="torch threads per rank and per baseline process")
-    parser.add_argument("--out", type=Path, default=default_out, help=f"JSON output (default {default_out})")
+    if memory_out is None:
+        parser.add_argument("--out", type=Path, default=default_out, help=f"JSON output (default {default_out})")
+    else:
+        parser.add_argument(
+            "--out", type=Path, help=f"JSON output (default {default_out}; {memory_out.name} with --memory)"
+        )
     parser.add_argument(
         "--device", choices=("cpu", "cuda"), default="cpu", help="cpu: gloo (default); cuda: NCCL, rank r on cuda:r"
     )

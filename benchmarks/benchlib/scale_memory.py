@@ -17,7 +17,7 @@ shard). The parts:
 - FSDP2 + AdamW: params and grads alike; state two moments per parameter (and the counters);
   transient one full-size temporary of the rank's whole shard in the state dtype.
 
-``EXCHANGE_FACTOR`` is calibrated on ``bench_memory.py --sections fsdp`` (CharGPT d=768 x 2,
+``EXCHANGE_FACTOR`` is calibrated on ``bench_fsdp.py --memory`` (CharGPT d=768 x 2,
 W = 2, fp32, CPU cap 32 MiB): see ``tests/test_scale_memory.py``.
 """
 
@@ -33,7 +33,7 @@ from lightning_muon.layout import MatrixLayout
 from lightning_muon.step_memory import AUTO_STEP_MEMORY_MB, matrix_working_bytes
 
 # The owner's exchange on top of the round's working set (the received whole matrices and
-# the send-back blob). Measured: 1.17 (bench_memory fsdp, CharGPT d=768 x 2, W = 2, worst
+# the send-back blob). Measured: 1.17 (bench_fsdp.py --memory, CharGPT d=768 x 2, W = 2, worst
 # rank); 1.5 keeps the prediction an upper bound with margin (1.10 x the measured peak).
 EXCHANGE_FACTOR = 1.5
 COUNTER_BYTES = 4  # AdamW's step counter: a float32 scalar tensor per parameter

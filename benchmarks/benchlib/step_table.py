@@ -21,11 +21,11 @@ from pathlib import Path
 from typing import Any
 
 import torch
+from torch import Tensor
+
 from benchlib.harness import dtype_name, progress, table, target, verdict
 from benchlib.ns_tables import NS_STEPS
 from benchlib.timing import Settings, Timing, measure, measure_interleaved
-from torch import Tensor
-
 from lightning_muon.muon import Muon
 from lightning_muon.newton_schulz import ns_flops, resolve_ns_dtype
 
