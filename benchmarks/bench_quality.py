@@ -46,7 +46,7 @@ for step 7's 40, 22 min in all. Runs slow two- to four-fold on a busy machine.
 ``--baseline PATH`` reads the runs of an earlier report back instead of training them again
 (any run whose ``RunSpec`` is the same), once its settings (steps, evaluation interval,
 model, seeds, device, Muon's and AdamW's lr grids) are this run's; it refuses one whose
-settings differ. Prints the table and writes JSON (default
+settings differ. Prints the table (``benchlib.quality_table``) and writes JSON (default
 benchmarks/results/bench_quality.json, or bench_quality_only.json with ``--only``).
 """
 
@@ -64,6 +64,7 @@ from typing import Any
 
 import torch
 from benchlib.harness import check_device, describe_machine, machine_line
+from benchlib.quality_table import print_table
 
 from lightning_muon_demo.experiment import RunSpec, steps_to_reach, train
 
@@ -145,7 +146,6 @@ EMERGING_LRS: dict[str, tuple[float, float, float]] = {
     "rekls": (3e-3, 6e-3, 1.2e-2),
 }
 SEEDS = (0, 1, 2)
-STEP_RATIO_MAX = 0.70
 # The settings a --baseline report must share with this run (and Muon's and AdamW's lr grids).
 BASELINE_SETTINGS = ("steps", "eval_every", "model", "seeds", "device")
 # A run at too high an lr can stop on a non-finite gradient (nonfinite="raise") or a failed
@@ -254,49 +254,6 @@ def run_benchmark(
         "reused_runs": sum(1 for r in log if r.get("reused")),
         "runs": log,
     }
-
-
-def print_table(result: dict[str, Any], machine: str, budget: str) -> None:
-    reach, final = result["steps_to_target"], result["final_mean_val_loss"]
-    seeds, rows = result["final_val_loss_by_seed"], result["rows"]
-    print(f"\nmachine: {machine}")
-    print(f"budget: {budget}")
-    print(f"lr sweep, final val loss at seed 0: {json.dumps(result['sweep_final_val_loss'])}")
-    print(f"target: AdamW's best mean val loss {result['target_val_loss']:.4f}\n")
-    head = f"{'run':<28}{'lr':>8}{'final val (mean)':>18}{'seed spread':>13}{'steps to target':>17}{'- Muon':>9}"
-    print(head)
-    for name, row in rows.items():
-        lr = result["chosen_lr"][row["sweep"]]
-        if final[name] is None:
-            what = "diverged at every lr" if lr is None else f"diverged (seeds {result['diverged'][name]})"
-            print(f"{row['label']:<28}{'-' if lr is None else f'{lr:g}':>8}  {what}")
-            continue
-        spread = max(seeds[name]) - min(seeds[name])
-        steps = "never" if reach[name] is None else str(reach[name])
-        gap = "" if name == "muon" or final["muon"] is None else f"{final[name] - final['muon']:+.4f}"
-        print(f"{row['label']:<28}{lr:>8g}{final[name]:>18.4f}{spread:>13.4f}{steps:>17}{gap:>9}")
-    ratio = result["muon_step_ratio"]
-    verdict = "n/a" if ratio is None else ("ok" if ratio <= STEP_RATIO_MAX else "MISSED")
-    shown = "Muon never reached it" if ratio is None else f"{ratio:.3f}"
-    print(f"\nMuon steps / AdamW steps to AdamW's best: {shown}  (target <= {STEP_RATIO_MAX}: {verdict})")
-    if final["muon"] is None:
-        return
-    if final.get("muon_keller") is not None:
-        gap = final["muon"] - final["muon_keller"]
-        print(f"Polar Express - keller final val loss at the same budget: {gap:+.4f} (negative: Polar Express better)")
-    if final.get("muon_schedulefree") is not None:
-        gap = final["muon_schedulefree"] - final["muon"]
-        print(
-            f"Muon + Schedule-Free AdamW (constant) - Muon + AdamW (wsd) final val loss: {gap:+.4f} "
-            "(negative: Schedule-Free better)"
-        )
-    if final.get("muon_bf16_state") is not None:
-        gap, spread = final["muon_bf16_state"] - final["muon"], max(seeds["muon"]) - min(seeds["muon"])
-        verdict = "within" if abs(gap) <= spread else "OUTSIDE"
-        print(
-            f"Muon bf16 state - float32 state final val loss: {gap:+.4f} "
-            f"({verdict} the float32 seed spread {spread:.4f})"
-        )
 
 
 def rows_for(only: Sequence[str] | None) -> tuple[str, ...]:

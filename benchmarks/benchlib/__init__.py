@@ -10,6 +10,7 @@ here imports an entry script or the tests.
 - ``ns_tables``, ``step_table``: ``bench_optimizer.py``'s Newton-Schulz tables and step table;
 - ``ddp_summary``, ``fsdp_summary``: ``bench_ddp.py``'s and ``bench_fsdp.py``'s settings, summaries, tables;
 - ``tp_blocks``: ``bench_tp.py``'s blocks on a (data x tensor) mesh;
+- ``quality_table``: ``bench_quality.py``'s table;
 - ``memory``: memory per rank of one optimizer step (the meter, the flags, the tables), and
   its measurements beside what they measure: ``memory_optimizer`` (``bench_optimizer.py
   --sections memory``), ``memory_ranks`` (``bench_ddp.py``, ``bench_fsdp.py``, ``bench_tp.py``
@@ -28,6 +29,7 @@ __all__ = [
     "memory_optimizer",
     "memory_ranks",
     "ns_tables",
+    "quality_table",
     "ranks",
     "scale_counts",
     "scale_designs",
