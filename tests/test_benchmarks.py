@@ -1,11 +1,12 @@
 """benchmarks/bench_optimizer.py runs end to end and writes complete JSON (never a timing assertion);
-every benchmark script takes ``--device cuda``."""
+every entry script prints its ``--help`` as ``python benchmarks/X.py --help`` and takes ``--device cuda``."""
 
 from __future__ import annotations
 
 import importlib.util
 import json
 import math
+import subprocess
 import sys
 from pathlib import Path
 
@@ -15,8 +16,8 @@ from bench_runner import run_benchmark
 
 ROOT = Path(__file__).resolve().parents[1]
 SECTIONS = ("accuracy", "step", "roofline", "batching", "gram")
-# The scripts (they run as __main__); the other files in benchmarks/ are their modules.
-BENCHMARKS = sorted(p for p in (ROOT / "benchmarks").glob("*.py") if 'if __name__ == "__main__":' in p.read_text())
+# Every top-level file of benchmarks/ is an entry script; what they share is the package benchlib/.
+BENCHMARKS = sorted((ROOT / "benchmarks").glob("*.py"))
 
 
 def _leaves(value):
@@ -83,6 +84,39 @@ def _load(path: Path, monkeypatch: pytest.MonkeyPatch):
     monkeypatch.setitem(sys.modules, spec.name, module)  # dataclasses look their module up there
     spec.loader.exec_module(module)
     return module
+
+
+# Runs each script as ``python benchmarks/X.py --help`` does (its folder first on sys.path, run as
+# __main__), all in one interpreter so that torch and Lightning are imported once.
+HELP = """
+import contextlib, io, json, os, runpy, sys
+out = {}
+for path in sys.argv[1:]:
+    sys.path[0], sys.argv[:] = os.path.dirname(path), [path, "--help"]
+    text, code = io.StringIO(), "no SystemExit"
+    with contextlib.redirect_stdout(text):
+        try:
+            runpy.run_path(path, run_name="__main__")
+        except SystemExit as exit:
+            code = exit.code
+    out[os.path.basename(path)] = [code, text.getvalue()]
+print(json.dumps(out))
+"""
+
+
+def test_every_entry_script_prints_its_help():
+    assert len(BENCHMARKS) >= 12 and (ROOT / "benchmarks" / "benchlib" / "__init__.py").is_file()
+    for path in BENCHMARKS:
+        assert 'if __name__ == "__main__":' in path.read_text(), f"{path.name}: not an entry script"
+    proc = subprocess.run(
+        [sys.executable, "-c", HELP, *map(str, BENCHMARKS)], cwd=ROOT, capture_output=True, text=True, timeout=300
+    )
+    assert proc.returncode == 0, proc.stderr[-3000:]
+    helps = json.loads(proc.stdout.splitlines()[-1])
+    assert sorted(helps) == [p.name for p in BENCHMARKS]
+    for name, (code, text) in helps.items():
+        assert code == 0, f"{name} --help: exit {code}"
+        assert text.startswith(f"usage: {name} ") and "--device" in text, f"{name} --help:\n{text}"
 
 
 @pytest.mark.parametrize("path", BENCHMARKS, ids=lambda p: p.stem)
