@@ -25,9 +25,9 @@ from collections import Counter
 from typing import Any
 
 import torch.distributed as dist
-from benchlib.harness import sync
 
 import lightning_muon.functional as functional
+from benchlib.harness import sync
 from lightning_muon.distributed.comm import all_reduce_bytes
 from lightning_muon.newton_schulz import ns_flops_as_run
 

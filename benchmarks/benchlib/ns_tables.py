@@ -16,10 +16,10 @@ import math
 from typing import Any
 
 import torch
-from benchlib.harness import dtype_name, progress, table, target, verdict
-from benchlib.timing import Settings, measure, measure_interleaved
 from torch import Tensor
 
+from benchlib.harness import dtype_name, progress, table, target, verdict
+from benchlib.timing import Settings, measure, measure_interleaved
 from lightning_muon.newton_schulz import (
     BATCH_MAX_ELEMENTS,
     COEFFICIENTS,

@@ -26,7 +26,6 @@ from benchlib.scale_counts import (
     ns_flops_of,
 )
 from benchlib.scale_profiles import Profile
-
 from lightning_muon.distributed.planning import expert_blocks, plan_ownership
 from lightning_muon.distributed.tp_math import tp_bytes, tp_ns_flops
 from lightning_muon.layout import MatrixLayout
