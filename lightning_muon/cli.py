@@ -29,7 +29,9 @@ A rejected value or option is reported in two lines: the first names it as writt
 'cosine'?``), with the choices or the nearest valid option name, the second points to ``--help``.
 
 Besides LightningCLI's subcommands, ``convert-checkpoint DIR OUT.ckpt`` turns a ``muon_fsdp``
-checkpoint folder into one file (``lightning_muon.checkpoints.convert_checkpoint``).
+checkpoint folder into one file (``lightning_muon.checkpoints.convert_checkpoint``), and
+``options [NAME]`` lists every setting of an algorithm or a config section with its doc
+(``lightning_muon.options``); ``--help`` names both.
 """
 
 from __future__ import annotations
@@ -46,7 +48,7 @@ import types
 import typing
 from argparse import ArgumentError
 from pathlib import Path
-from typing import Any, Literal, NoReturn, Union
+from typing import Any, ClassVar, Literal, NoReturn, Union
 
 import lightning.pytorch as pl
 import yaml
@@ -55,7 +57,7 @@ from lightning.fabric.utilities.cloud_io import get_filesystem
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
-from lightning_muon import checkpoints
+from lightning_muon import checkpoints, options
 from lightning_muon.bundled_configs import bundled_configs, find_config
 
 __all__ = ["BundledConfigFile", "MuonCLI", "MuonSaveConfigCallback", "main", "register_demo_data"]
@@ -159,7 +161,28 @@ def _derived_from(given: Any, final: Any, annotation: Any) -> bool:
         return _plain(given) == final
     defaults = _class_defaults(_class_of(annotation))
     telling = {k: _plain(v) for k, v in given.items() if k not in defaults or defaults[k] != _plain(v)}
-    return any(final.get(k) == v for k, v in telling.items())
+    return any(_carries(v, final.get(k)) for k, v in telling.items())
+
+
+def _carries(given: Any, final: Any) -> bool:
+    """Whether the parsed ``final`` holds every value of ``given`` (a nested section may gain defaults).
+
+    A ``class_path`` matches by the class it names (``MuonSettings`` and its full import path).
+    """
+    if isinstance(given, dict):
+        if not isinstance(final, dict):
+            return False
+        return all(
+            _names_class(v, final.get(k)) if k == "class_path" else _carries(v, final.get(k)) for k, v in given.items()
+        )
+    return given == final
+
+
+def _names_class(given: Any, final: Any) -> bool:
+    """Whether class path ``given`` (perhaps a short name, as jsonargparse takes it) names ``final``'s class."""
+    if not isinstance(given, str) or not isinstance(final, str):
+        return False
+    return _same_class(given, final) or ("." not in given and final.rsplit(".", 1)[-1] == given)
 
 
 def _same_class(a: str, b: str) -> bool:
@@ -297,8 +320,13 @@ def _class_of(tp: Any) -> type | None:
     return None
 
 
-def _given_value(lines: list[str], key: str) -> Any:
-    """The value jsonargparse reports for ``key`` in the lines after its cause, or None."""
+def _given_value(lines: list[str], path: list[str]) -> Any:
+    """The value jsonargparse reports for the key at the end of ``path`` in the lines after its cause, or None.
+
+    The value reported may be a section holding it (``{'schedule': {'falloff': 'cosin'}}``): the
+    longest tail of ``path`` that leads into it is followed.
+    """
+    key = path[-1]
     for line in lines:
         text = _text(line)
         if not text.startswith("Given value: "):
@@ -313,7 +341,20 @@ def _given_value(lines: list[str], key: str) -> Any:
             value = ast.literal_eval(given)
         except (ValueError, SyntaxError):
             return given
-        return value.get(key) if isinstance(value, dict) else value
+        return _dig(value, path) if isinstance(value, dict) else value
+    return None
+
+
+def _dig(value: dict, path: list[str]) -> Any:
+    """``value[path[i]][path[i + 1]]...`` for the smallest ``i`` where every key is there, else None."""
+    for start in range(len(path)):
+        found: Any = value
+        for key in path[start:]:
+            if not isinstance(found, dict) or key not in found:
+                break
+            found = found[key]
+        else:
+            return found
     return None
 
 
@@ -347,15 +388,20 @@ def _rejection(message: str, option_names: list[str]) -> str | None:
     field_type: Any = None
     for text in reversed(chain):
         if key := _KEY_LINE.match(text):
-            path.append(key.group(1))
-            field_type = _fields(owner).get(key.group(1)) if owner is not None else None
-            owner = _class_of(field_type)
+            for part in key.group(1).split("."):  # a nested dataclass's key comes dotted ("schedule.falloff")
+                path.append(part)
+                field_type = _fields(owner).get(part) if owner is not None else None
+                owner = _class_of(field_type)
         elif class_path := _CLASS_LINE.match(text):
             owner = _try_import(class_path.group(1))
             path.append("init_args")
     cause = _text(lines[at])
     unknown = next((m.group(1) for pattern in _UNKNOWN_KEY if (m := pattern.search(cause))), None)
     if unknown is not None:
+        while owner is not None and "." in unknown:  # an unknown key inside a nested section comes dotted
+            part, unknown = unknown.split(".", 1)
+            path.append(part)
+            owner = _class_of(_fields(owner).get(part))
         where = ".".join([*path, unknown])
         if owner is not None:
             options, name = list(_fields(owner)), owner.__name__
@@ -372,7 +418,7 @@ def _rejection(message: str, option_names: list[str]) -> str | None:
         return None
     where = ".".join(path)
     expected = _EXPECTED.search(cause)
-    value = expected.group(3) if expected else _given_value(lines[at + 1 :], path[-1])
+    value = expected.group(3) if expected else _given_value(lines[at + 1 :], path)
     choices = _choices(field_type)
     if choices:
         listed = ", ".join(repr(c) for c in choices)
@@ -385,6 +431,28 @@ def _rejection(message: str, option_names: list[str]) -> str | None:
     return f"{where}: {cause}"
 
 
+# jsonargparse 4.41, after a settings section written with a short class_path (``class_path: MuonSettings``)
+# fails a check, reports only that it cannot import the short name; the nested parser said which setting failed.
+_LOST_CLASS = re.compile(r"Expected a dot import path string: (\w+)$")
+
+
+def _refused_setting(where: str, class_name: str, nested: list[str]) -> str | None:
+    """``where`` (``model.init_args.muon_config: ``) and the setting of ``class_name`` a nested parser refused,
+    with its choices; None where the nested errors name none."""
+    import lightning_muon.algorithms as algorithms
+
+    owner = getattr(algorithms, class_name, None)
+    for text in nested:
+        key = _KEY_LINE.match(text.splitlines()[0].strip()) if text.strip() else None
+        if key is None or owner is None or key.group(1) not in _fields(owner):
+            continue
+        name = key.group(1)
+        choices = owner.choices.get(name) or _choices(_fields(owner)[name])
+        said = f"{where}{class_name}.{name}:"
+        return f"{said} not one of {', '.join(repr(c) for c in choices)}" if choices else f"{said} {text.strip()}"
+    return None
+
+
 class MuonArgumentParser(LightningArgumentParser):
     """Reports a parse error as its cause first, then a hint; no usage.
 
@@ -394,13 +462,29 @@ class MuonArgumentParser(LightningArgumentParser):
     option name (``_rejection``); other errors keep jsonargparse's details.
     """
 
+    def format_help(self) -> str:
+        """jsonargparse's help; the top level's also names the commands ``main`` runs itself (``OWN_COMMANDS``)."""
+        text = super().format_help()
+        if self._subcommands_action is None:
+            return text
+        own = "".join(f"  {self.prog} {name} {what}\n" for name, what in OWN_COMMANDS.items())
+        return f"{text}\nmore commands:\n{own}"
+
+    # The errors of nested parsers (a section's own), first first: the top-level message may have lost them.
+    _nested_errors: ClassVar[list[str]] = []
+
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
+        if not self.exit_on_error:
+            MuonArgumentParser._nested_errors.append(message)
         if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
             super().error(message, ex)
+        nested, MuonArgumentParser._nested_errors = MuonArgumentParser._nested_errors, []
         parser = getattr(ex, "subcommand_parser", None) or self
         prog = parser.prog.replace(" [options]", "")
         options = [a.dest for a in parser._actions if a.dest not in ("help", "config", "print_config")]
         rejected = _rejection(message, [name for name in options if not name.endswith(".help")])
+        if rejected is not None and (lost := _LOST_CLASS.search(rejected)):
+            rejected = _refused_setting(rejected[: lost.start()], lost.group(1), nested) or rejected
         summary = rejected or _error_summary(message)
         sys.stderr.write(f"error: {summary}\n")
         if rejected is None and len(message.strip().splitlines()) > 2:  # more than the summary says
@@ -410,7 +494,10 @@ class MuonArgumentParser(LightningArgumentParser):
                 "tip: name one with --model=<class_path> or --config=<file>;"
                 " python -m lightning_muon_demo fit trains the demo model\n"
             )
-        sys.stderr.write(f"tip: {prog} --help lists every option\n")
+        sys.stderr.write(
+            f"tip: {prog} --help lists the options; python -m lightning_muon options NAME lists the settings of an "
+            "algorithm (muon, adamw, ...) or a config section (state, routing, schedule)\n"
+        )
         self.exit(2)
 
 
@@ -570,7 +657,11 @@ class MuonCLI(LightningCLI):
                 f"--config {name} was written for {demo}; {model.class_path} keeps from it the trainer settings and "
                 f"{keys}" + (f", not {', '.join(dropped)}" if dropped else "") + f". {replace} starts from your "
                 "model's defaults instead"
-                + (" (then set single fields: --model.init_args.muon_config.lr=0.01)" if "muon_config" in kept else "")
+                + (
+                    " (then set single fields: --model.init_args.muon_config.matrix.init_args.lr=0.01)"
+                    if "muon_config" in kept
+                    else ""
+                )
             )
 
     def _choose_data(self, config: Any) -> None:
@@ -618,6 +709,13 @@ class MuonCLI(LightningCLI):
 
 
 CONVERT_CHECKPOINT = "convert-checkpoint"
+OPTIONS = "options"
+# The commands ``main`` runs itself, named in the top-level help beside LightningCLI's.
+OWN_COMMANDS = {
+    CONVERT_CHECKPOINT: "DIR OUT.ckpt: turn a muon_fsdp checkpoint folder into one file.",
+    OPTIONS: "[NAME]: every setting of an algorithm (muon, adamw, scion, ...) or a config section "
+    "(state, routing, schedule, megatron), with its doc; alone, the sections and algorithms.",
+}
 
 
 def main(args: list[str] | None = None, *, default_model: str | None = None, prog: str = PROG) -> MuonCLI | None:
@@ -636,6 +734,11 @@ def main(args: list[str] | None = None, *, default_model: str | None = None, pro
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] == [CONVERT_CHECKPOINT]:
         code = checkpoints.main(argv[1:], prog=f"{prog} {CONVERT_CHECKPOINT}")
+        if code:
+            raise SystemExit(code)
+        return None
+    if argv[:1] == [OPTIONS]:
+        code = options.main(argv[1:], prog=f"{prog} {OPTIONS}")
         if code:
             raise SystemExit(code)
         return None

@@ -9,7 +9,9 @@ reuse the same pieces on whatever matrices their rank owns.
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Callable, Collection, Sequence
+from typing import Literal
 
 import torch
 from torch import Tensor
@@ -19,14 +21,14 @@ from lightning_muon.layout import MatrixLayout
 from lightning_muon.newton_schulz import orthogonalize_many
 
 __all__ = [
-    "ADJUST_LR_ALIASES",
     "ADJUST_LR_MODES",
     "MOMENTUM_FORMS",
     "SECOND_MOMENTS",
-    "WEIGHT_DECAY_FORMS",
+    "WEIGHT_DECAY_FACTORS",
     "adamw_",
     "adjust_lr_ratio",
     "all_finite",
+    "decay_weights_",
     "lion_",
     "muon_apply_",
     "muon_momentum_",
@@ -37,16 +39,28 @@ __all__ = [
     "second_moment_buffer",
     "second_moment_shape",
     "stat_axis",
+    "MomentumForm",
+    "SecondMoment",
 ]
 
 # EMA: B <- mu B + (1 - mu) G (torch.optim.Muon, Keller Jordan); sum: B <- mu B + G (Moonlight, dion).
-MOMENTUM_FORMS = ("ema", "sum")
-# Decoupled: W <- W (1 - lr wd); cautious: only where the update and W agree in sign.
-WEIGHT_DECAY_FORMS = ("decoupled", "cautious")
+MomentumForm = Literal["ema", "sum"]
+MOMENTUM_FORMS: tuple[str, ...] = typing.get_args(MomentumForm)
+# The factor f of a weight decay W <- W - f W, by weight_decay_method (Emerging-Optimizers' WeightDecayMixin,
+# and cautious decay, arXiv 2510.12402, decoupled where the update and W agree in sign). "l2" decays through
+# the gradient instead (g + wd W), before the momentum: no factor here.
+WEIGHT_DECAY_FACTORS = {
+    "decoupled": lambda lr, wd: lr * wd,
+    "independent": lambda lr, wd: wd,
+    "palm": lambda lr, wd: lr * lr * wd,
+    "cautious": lambda lr, wd: lr * wd,
+    "l2": lambda lr, wd: 0.0,
+}
 # Second moments of the orthogonalized update, per row or column (NorMuon), per element (AdaMuon) or per
 # matrix (NAMO): Emerging-Optimizers' (Megatron-Core's) forms, then ours that keep plain Muon's RMS
 # (``muon_second_moment_``).
-SECOND_MOMENTS = ("normuon", "adamuon", "namo", "normuon_rms", "adamuon_rms")
+SecondMoment = Literal["normuon", "adamuon", "namo", "normuon_rms", "adamuon_rms"]
+SECOND_MOMENTS: tuple[str, ...] = typing.get_args(SecondMoment)
 
 # Update scale per matrix shape (rows, cols), times ``extra_scale_factor``.
 ADJUST_LR_MODES = {
@@ -60,13 +74,10 @@ ADJUST_LR_MODES = {
     "spectral_norm": lambda r, c: math.sqrt(r / c),
     "none": lambda r, c: 1.0,
 }
-# Megatron-Core scale_mode names.
-ADJUST_LR_ALIASES = {"shape_scaling": "original", "unit_rms_norm": "spectral_norm"}
 
 
 def adjust_lr_ratio(mode: str, fan_out: int, fan_in: int, extra_scale_factor: float = 1.0) -> float:
     """The factor multiplying the Muon lr for a fan_out x fan_in matrix (``MatrixLayout.fans`` of a stored one)."""
-    mode = ADJUST_LR_ALIASES.get(mode, mode)
     return ADJUST_LR_MODES[mode](fan_out, fan_in) * extra_scale_factor
 
 
@@ -428,6 +439,27 @@ def namo_scale_(
     return out
 
 
+def decay_weights_(
+    params: list[Tensor], lr: float, weight_decay: float, method: str, *, multiply_decoupled: bool = True
+) -> None:
+    """``W <- W - f W`` with ``f = WEIGHT_DECAY_FACTORS[method](lr, weight_decay)`` (none for "l2", "cautious").
+
+    "decoupled" multiplies by ``1 - f``, as torch's AdamW and Muon do (``multiply_decoupled=False``:
+    adds ``-f W``, as Emerging-Optimizers' SOAP and LaProp do); "independent" and "palm" add ``-f W``,
+    as Emerging-Optimizers does: "palm"'s ``lr^2 wd`` is often below float32's spacing near 1,
+    where ``1 - f`` would round to 1 and the decay vanish.
+    """
+    if method in ("l2", "cautious") or weight_decay == 0.0:
+        return
+    factor = WEIGHT_DECAY_FACTORS[method](lr, weight_decay)
+    if factor == 0.0:
+        return
+    if method == "decoupled" and multiply_decoupled:
+        torch._foreach_mul_(params, 1.0 - factor)
+    else:
+        torch._foreach_add_(params, params, alpha=-factor)
+
+
 def muon_apply_(
     params: list[Tensor],
     ortho: list[list[Tensor]],
@@ -437,20 +469,19 @@ def muon_apply_(
     weight_decay: float,
     adjust_lr: str,
     extra_scale_factor: float,
-    weight_decay_form: str = "decoupled",
+    weight_decay_method: str = "decoupled",
 ) -> None:
-    """``W <- W - lr wd M * W - lr * adjust(fan_out, fan_in) * O`` for every matrix piece.
+    """``W <- decay(W) - lr * adjust(fan_out, fan_in) * O`` for every matrix piece (``decay_weights_``).
 
-    ``M`` is 1 everywhere for decoupled weight decay (``W (1 - lr wd)``) and, for cautious
-    weight decay, 1 where ``O * W >= 0`` (the update, subtracted, moves ``W`` towards zero
-    there, as the decay does) and 0 elsewhere (Chen et al., "Cautious Weight Decay",
-    arXiv 2510.12402). The mask reads ``W`` before this step's update. The lr scale is each
-    piece's own: its fan-out and fan-in (``layout.fans``), whatever the tensor it sits in.
+    For cautious weight decay the decay is ``W (1 - lr wd M)``, ``M`` 1 where ``O * W >= 0`` (the
+    update, subtracted, moves ``W`` towards zero there, as the decay does) and 0 elsewhere (Chen et
+    al., "Cautious Weight Decay", arXiv 2510.12402). The mask reads ``W`` before this step's update.
+    The lr scale is each piece's own: its fan-out and fan-in (``layout.fans``), whatever the tensor
+    it sits in.
     """
     decay = lr * weight_decay
-    cautious = decay != 0.0 and weight_decay_form == "cautious"
-    if decay != 0.0 and not cautious:
-        torch._foreach_mul_(params, 1.0 - decay)
+    cautious = decay != 0.0 and weight_decay_method == "cautious"
+    decay_weights_(params, lr, weight_decay, weight_decay_method)
     # Pieces may be in Newton-Schulz's dtype (bf16): ``W.add_(O, alpha=scale)`` reads them once
     # and accumulates in W's dtype, one pass per matrix, grouped by scale for foreach kernels.
     by_scale: dict[float, tuple[list[Tensor], list[Tensor]]] = {}

@@ -39,9 +39,9 @@ torch.serialization.add_safe_globals([MuonConfig, Rule])
 
 
 def _total_steps(config: MuonConfig, module: nn.Module | None) -> int | None:
-    """``config.total_steps``, else the trainer's estimate when the schedule needs one."""
-    if config.total_steps is not None:
-        return config.total_steps
+    """``config.schedule.total_steps``, else the trainer's estimate when the schedule needs one."""
+    if config.schedule.total_steps is not None:
+        return config.schedule.total_steps
     trainer = getattr(module, "_trainer", None)
     estimate = trainer.estimated_stepping_batches if trainer is not None else None
     known = estimate is not None and math.isfinite(estimate) and estimate >= 1
@@ -54,8 +54,9 @@ def _total_steps(config: MuonConfig, module: nn.Module | None) -> int | None:
         return None
     if not known:
         raise ValueError(
-            f"MuonConfig.total_steps is needed by falloff={config.falloff!r} (or a fractional phase) and could not "
-            f"be taken from the trainer (estimated_stepping_batches={estimate}); set total_steps or max_steps"
+            f"MuonConfig.schedule.total_steps is needed by falloff={config.schedule.falloff!r} (or a fractional phase) "
+            f"and could not be taken from the trainer (estimated_stepping_batches={estimate}); set total_steps or "
+            "max_steps"
         )
     return int(estimate)
 
@@ -69,10 +70,11 @@ def configure_muon_optimizers(module: nn.Module, config: MuonConfig | dict[str, 
     unfreezing a backbone) are routed by the same rules (``added_groups.ModuleRouter``).
     """
     config = MuonConfig.from_any(config)
-    groups = config.routing.build(module)
+    routing = config.routing_config
+    groups = routing.build(module)
     rank_zero_info(groups.report())
     optimizer = Muon.from_config(groups, config.optimizer)
-    optimizer.attach_router(ModuleRouter(module, config.routing))  # a backbone unfrozen later is routed alike
+    optimizer.attach_router(ModuleRouter(module, routing))  # a backbone unfrozen later is routed alike
     schedule = config.schedule.build(_total_steps(config, module))
     scheduler = MuonScheduler(optimizer, schedule, config.schedule.momentum_warmup)
     return {
@@ -136,7 +138,7 @@ class MuonModuleMixin:
 
     @property
     def lr(self) -> float:
-        """The Muon lr of this module's config (``MuonConfig.lr``): the lr Lightning's lr finder tunes.
+        """The matrix lr of this module's config (``MuonConfig.matrix.lr``): the lr Lightning's lr finder tunes.
 
         ``Tuner.lr_find`` and ``LearningRateFinder`` look for an attribute ``lr``; during their
         sweep every group takes its configured share of the swept lr (``one_lr``), so the
@@ -145,7 +147,7 @@ class MuonModuleMixin:
         The new config goes where it was read from (``muon_config``, else the hparams, where
         checkpoints keep it), and a fit in progress goes on at the new lrs from its next step.
         """
-        return self.resolve_muon_config().lr
+        return self.resolve_muon_config().matrix.lr
 
     @lr.setter
     def lr(self, value: float) -> None:
@@ -155,7 +157,7 @@ class MuonModuleMixin:
         # LearningRateFinder as a callback: this fit goes on with its scheduler. Lightning
         # then writes the suggestion into every group; the next step takes the schedule's lrs.
         trainer = getattr(self, "_trainer", None)
-        if retune_running_schedule(trainer, value / config.lr) is not None:
+        if retune_running_schedule(trainer, value / config.matrix.lr) is not None:
             self._lrs_from_schedule = True
 
     def _keep_muon_config(self, config: MuonConfig) -> None:
@@ -244,7 +246,7 @@ def build_optimizers(
     stepping and ``eval()`` before evaluating or saving).
     """
     config = MuonConfig.from_any(config)
-    groups = list(config.routing.build(params)) if isinstance(params, nn.Module) else as_groups(params)
+    groups = list(config.routing_config.build(params)) if isinstance(params, nn.Module) else as_groups(params)
     optimizers = []
     for algorithm in algorithm_names():
         chosen = [g for g in groups if g.get("algorithm", algorithm) == algorithm]
@@ -260,5 +262,5 @@ def build_schedulers(
 ) -> list[MuonScheduler]:
     """One ``MuonScheduler`` per optimizer, all following the same lr schedule and momentum warmup."""
     config = MuonConfig.from_any(config)
-    schedule = config.schedule.build(total_steps if total_steps is not None else config.total_steps)
+    schedule = config.schedule.build(total_steps if total_steps is not None else config.schedule.total_steps)
     return [MuonScheduler(opt, schedule, config.schedule.momentum_warmup) for opt in optimizers]

@@ -2,8 +2,7 @@
 
 from __future__ import annotations
 
-import inspect
-from collections.abc import Callable, Iterable
+from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
@@ -11,9 +10,17 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_muon.algorithms import Algorithm, get_algorithm
+from lightning_muon.algorithms import AdamWSettings, Algorithm, MuonSettings, Settings, get_algorithm
 from lightning_muon.algorithms.base import StepContext
 from lightning_muon.algorithms.checks import HparamError
+from lightning_muon.algorithms.families import (
+    AdjustLR,
+    CoefficientName,
+    FP32MatmulPrec,
+    NSDtype,
+    TPMode,
+    WeightDecayMethod,
+)
 from lightning_muon.algorithms.state_dtypes import (
     MAIN_PARAM,
     MainParamsDtype,
@@ -21,7 +28,10 @@ from lightning_muon.algorithms.state_dtypes import (
     has_main_param,
     restore_state_dtypes,
 )
-from lightning_muon.hparams import NonFinite, OptimizerConfig, flat_keyword_fields
+from lightning_muon.aliases import canonical_with_aliases, named_as_written, settings_from
+from lightning_muon.functional import MomentumForm, SecondMoment
+from lightning_muon.hparams import NonFinite, OptimizerConfig, StateSettings, settings_by_algorithm
+from lightning_muon.newton_schulz import NSMethod
 from lightning_muon.nonfinite import FiniteChecks
 from lightning_muon.routing.added_groups import split_added_group
 from lightning_muon.routing.checkpoint import check_checkpoint_routing
@@ -36,14 +46,20 @@ if TYPE_CHECKING:
 
 __all__ = ["Muon", "UpdateHook"]
 
+# The keywords' defaults are the settings' own (written once, there; tests/test_config.py checks the match).
+_MUON, _ADAMW, _STATE = MuonSettings(), AdamWSettings(), StateSettings()
+_MUON_FIELDS = frozenset(MuonSettings.field_names())
+
 
 class Muon(Optimizer):
-    r"""Muon for hidden weight matrices, AdamW, Lion or Schedule-Free AdamW for everything else, in one optimizer.
+    r"""Muon for hidden weight matrices, AdamW (or another algorithm) for everything else, in one optimizer.
 
     Each param group has an ``"algorithm"``, the name of a registered ``Algorithm``
-    (``algorithms``): ``"muon"``, ``"adamw"``, ``"lion"``, ``"adamw_schedulefree"``,
-    ``"muon_hyperball"``, or one added with ``register_algorithm``. For a Muon matrix ``W`` with
-    gradient ``G`` (torch.optim.Muon's form, the defaults)::
+    (``algorithms``): ``"muon"``, ``"adamw"``, ``"lion"``, ``"adamw_schedulefree"``, ``"laprop"``,
+    ``"muon_hyperball"``, Emerging-Optimizers' ``"adaptive_muon"``, ``"scion"``, ``"polargrad"``,
+    ``"mop"``, ``"spel"``, ``"sinkhorn_muon"``, ``"soap"``, ``"rekls"``, or one added with
+    ``register_algorithm``. For a Muon matrix ``W`` with gradient ``G`` (torch.optim.Muon's form,
+    the defaults)::
 
         B <- mu B + (1 - mu) G                       # EMA momentum
         U <- (1 - mu) G + mu B   if nesterov else B
@@ -51,25 +67,11 @@ class Muon(Optimizer):
         W <- W (1 - lr wd)                           # decoupled decay, base lr
         W <- W - lr * adjust(rows, cols) * extra_scale_factor * O
 
-    Variants, each a keyword (all per group too):
-
-    - ``momentum_form="sum"``: ``B <- mu B + G``, ``U <- G + mu B`` with Nesterov (Moonlight, dion).
-    - ``sign_momentum=True``: orthogonalize ``sign(U)`` (AdaMuon's sign-stabilized update).
-    - ``second_moment="normuon"`` / ``"adamuon"``: after orthogonalization,
-      ``v <- b2 v + (1 - b2) mean_cols(O^2)`` per row (NorMuon) or ``O^2`` per element
-      (AdaMuon), ``O <- O / (sqrt(v) + eps)``, rescaled to the Frobenius norm ``O`` had, so
-      the update keeps plain Muon's RMS and its lr (see ``muon_second_moment_``).
-    - ``weight_decay_form="cautious"``: decay only entries where ``O * W >= 0``.
-    - ``ns_method``: ``"standard"``, ``"gram"`` (Gram Newton-Schulz) or ``"auto"`` (Gram
-      only where it was measured faster at equal accuracy: ``resolve_ns_method``).
-
     Tensors with more than two dims are flattened to ``(dim 0, rest)``; a group with
     ``split_sizes`` orthogonalizes blocks along dim 0 separately (fused QKV; sizes summing
     to a divisor of dim 0 repeat per group of rows, Megatron's GQA layout), and a group
     with ``batched=True`` treats a ``(..., rows, cols)`` tensor as a batch of matrices
-    (experts). AdamW groups follow ``torch.optim.AdamW``; Lion groups follow
-    Chen et al. with decoupled weight decay. Every update scales with the group's lr,
-    so a step at lr = 0 changes nothing.
+    (experts). Every update scales with the group's lr, so a step at lr = 0 changes nothing.
 
     ``"adamw_schedulefree"`` groups are stepped by ``schedulefree.AdamWScheduleFree`` over
     this optimizer's groups and state: ``train()`` and ``eval()`` switch their parameters
@@ -79,43 +81,26 @@ class Muon(Optimizer):
     ``add_param_group`` (``BackboneFinetuning``), is routed and split by algorithm
     (``added_groups``, by the rules of ``attach_router``); a sharding (``attach_sharding``)
     splits the Newton-Schulz work across ranks, and ``register_update_hook`` observes the
-    applied updates.
+    applied updates. A group's own keys override the defaults below, in our names or other
+    projects' (``aliases``).
 
     Args:
         params: tensors, ``(name, tensor)`` pairs, or param-group dicts.
-        lr, momentum, ..., ns_method, tp_mode: Muon group defaults, the fields of ``MuonHparams``
-            (documented there, each with its default and valid range).
-        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: AdamW group defaults,
-            ``AdamWHparams``.
-        lion_lr, lion_betas, lion_weight_decay: Lion group defaults, ``LionHparams`` (lr and
-            weight decay default to AdamW's).
-        adamw_schedulefree_*: Schedule-Free AdamW group defaults, ``ScheduleFreeHparams``
-            (``AdamWScheduleFree``'s keywords; lr and weight decay default to AdamW's).
-        adaptive_muon_*, laprop_*, scion_*, polargrad_*, mop_*, spel_*, sinkhorn_muon_*, soap_*,
-            rekls_*: the defaults of the other built-in algorithms' groups, their hyperparameters'
-            fields prefixed by the algorithm's name (``soap_shampoo_beta``,
-            ``adaptive_muon_moment2_method``: Megatron-Core's names), each documented in its
-            module under ``algorithms``. ``inspect.signature(Muon)`` lists every one.
-        algorithm_defaults: group defaults of other registered algorithms, by name: a dict of
-            their hyperparameters (``{"muon_hyperball": {"hyperball_radius": 1.0}}``).
-        nonfinite: ``"raise"`` (default) on a NaN/inf gradient, naming the group and
-            parameter, ``"skip"`` the whole step with a warning, or ``"ignore"``: no check, as
-            in torch.optim (a NaN reaches the weights, and a step is free of host-device
-            synchronization).
-        exp_avg_dtype, exp_avg_sq_dtype: Megatron-Core's names: ``"float32"`` (default) or
-            ``"bfloat16"``, the dtype first moments (Muon's momentum, AdamW's and Lion's
-            ``exp_avg``) and second moments (AdamW's ``exp_avg_sq``, NorMuon's and AdaMuon's)
-            are stored in, where narrower than the parameter's; each is computed in the
-            parameter's dtype and rounded once when stored (``algorithms.state_dtypes``).
-        main_params_dtype: Megatron-Core's name: None (default) or ``"float32"``: bf16 and
-            fp16 parameters step on an fp32 master copy in ``state[p]["main_param"]``, written
-            back rounded after each step (one process: not under a sharding); no effect on
-            fp32 parameters.
-        step_memory_mb: the most MiB of temporaries one Muon group's step holds at once:
-            ``"auto"`` (default: 32 on a CPU, 1024 on a GPU), a number, or None (no cap). A
-            group larger than that steps in rounds (``step_memory``), each round's updates,
-            Newton-Schulz stacks and, under ``muon_fsdp``, exchange within it; the results
-            are the same bits as without a cap.
+        lr, weight_decay, momentum, nesterov, ns_coefficients, ns_steps, adjust_lr, ...:
+            the defaults of Muon's groups, ``MuonSettings``' fields (each documented there, with
+            its range; ``python -m lightning_muon options muon`` prints them).
+            ``momentum_form="sum"``, ``sign_momentum``, ``second_moment`` and
+            ``weight_decay_method="cautious"`` are Muon's variants (``algorithms.muon``).
+        adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the defaults of AdamW's groups
+            (``AdamWSettings``' fields).
+        settings: the defaults of other algorithms' groups, one ``Settings`` per algorithm
+            (``[LionSettings(lr=1e-4), SOAPSettings(shampoo_beta=0.9)]``); an algorithm left out
+            takes its settings' defaults.
+        nonfinite, exp_avg_dtype, exp_avg_sq_dtype, main_params_dtype, step_memory_mb: what the
+            optimizer does with a non-finite gradient, the dtypes its state is stored in and
+            its step's memory cap (``StateSettings``' fields).
+        adjust_lr_fn: torch.optim.Muon's name for ``adjust_lr`` (``"original"``,
+            ``"match_rms_adamw"``).
 
     References:
         Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024.
@@ -129,10 +114,66 @@ class Muon(Optimizer):
         Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz", 2026 (dao-ailab.github.io/blog/2026/gram-newton-schulz).
     """
 
-    def __init__(self, params: Iterable[Any], **keywords: Any) -> None:
-        # The keywords are the hyperparameters' fields, prefixed (``hparams.flat_keyword_fields``),
-        # then the settings: ``__signature__`` below lists them with their types and defaults.
-        self._setup(params, OptimizerConfig.from_keywords(**keywords))
+    def __init__(
+        self,
+        params: Iterable[Any],
+        lr: float = _MUON.lr,
+        weight_decay: float = _MUON.weight_decay,
+        momentum: float = _MUON.momentum,
+        nesterov: bool = _MUON.nesterov,
+        ns_coefficients: CoefficientName | Sequence[Sequence[float]] = _MUON.ns_coefficients,
+        *,
+        ns_steps: int = _MUON.ns_steps,
+        adjust_lr: AdjustLR = _MUON.adjust_lr,
+        weight_decay_method: WeightDecayMethod = _MUON.weight_decay_method,
+        fp32_matmul_prec: FP32MatmulPrec = _MUON.fp32_matmul_prec,
+        extra_scale_factor: float = _MUON.extra_scale_factor,
+        ns_dtype: NSDtype | torch.dtype | None = _MUON.ns_dtype,
+        ns_method: NSMethod = _MUON.ns_method,
+        tp_mode: TPMode = _MUON.tp_mode,
+        momentum_form: MomentumForm = _MUON.momentum_form,
+        second_moment: SecondMoment | None = _MUON.second_moment,
+        second_moment_beta2: float = _MUON.second_moment_beta2,
+        second_moment_eps: float = _MUON.second_moment_eps,
+        sign_momentum: bool = _MUON.sign_momentum,
+        adamw_lr: float = _ADAMW.lr,
+        adamw_betas: tuple[float, float] = _ADAMW.betas,
+        adamw_eps: float = _ADAMW.eps,
+        adamw_weight_decay: float = _ADAMW.weight_decay,
+        settings: Iterable[Settings] = (),
+        nonfinite: NonFinite = _STATE.nonfinite,
+        exp_avg_dtype: StateDtype | torch.dtype = _STATE.exp_avg_dtype,
+        exp_avg_sq_dtype: StateDtype | torch.dtype = _STATE.exp_avg_sq_dtype,
+        main_params_dtype: MainParamsDtype | torch.dtype = _STATE.main_params_dtype,
+        step_memory_mb: StepMemory = _STATE.step_memory_mb,
+        adjust_lr_fn: str | None = None,
+    ) -> None:
+        arguments = locals()
+        # The keywords given (a default is the very object the settings hold), so that an alias may set one.
+        given = {n: v for n, v in arguments.items() if n in _MUON_FIELDS and v is not getattr(_MUON, n)}
+        if adjust_lr_fn is not None:
+            given["adjust_lr_fn"] = adjust_lr_fn  # torch.optim.Muon's name (``aliases``)
+        muon = settings_from(MuonSettings, given, "Muon()")
+        adamw = _adamw_settings(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay)
+        chosen = settings_by_algorithm(settings, "Muon(settings=...)")
+        for own in (muon, adamw):
+            other = chosen.get(own.algorithm)
+            if other is not None and own != type(own)():
+                keywords = "lr, momentum, ..." if own.algorithm == "muon" else "adamw_lr, adamw_betas, ..."
+                raise HparamError(
+                    f"Muon: settings holds {type(other).__name__} and the keywords ({keywords}) set "
+                    f"{own.algorithm}'s settings too; give them one way",
+                    "settings",
+                )
+            chosen.setdefault(own.algorithm, own)
+        state = StateSettings(
+            nonfinite=nonfinite,
+            exp_avg_dtype=exp_avg_dtype,
+            exp_avg_sq_dtype=exp_avg_sq_dtype,
+            main_params_dtype=main_params_dtype,
+            step_memory_mb=step_memory_mb,
+        )
+        self._setup(params, OptimizerConfig(settings=chosen, state=state))
 
     @classmethod
     def from_config(cls, params: Iterable[Any], config: OptimizerConfig) -> Muon:
@@ -144,7 +185,7 @@ class Muon(Optimizer):
     def _setup(self, params: Iterable[Any], config: OptimizerConfig) -> None:
         self.config = config
         """The settings, checked, as one config per algorithm."""
-        self.nonfinite = config.nonfinite
+        self.nonfinite = config.state.nonfinite
         self._sharding: Sharding | None = None
         self._mesh_checked = False  # whether the first step looked for DTensors without a sharding
         self.fresh = True
@@ -158,7 +199,7 @@ class Muon(Optimizer):
         self._defaults: dict[str, dict[str, Any]] = {}  # per algorithm, made on first use
         # Only keys every group has live in ``defaults``: Optimizer copies them into each
         # group, and LearningRateMonitor would read ``betas`` from every group if it were here.
-        super().__init__(as_groups(params), {"momentum": config.muon.momentum})
+        super().__init__(as_groups(params), {"momentum": config.settings_of("muon").momentum})
 
     # ------------------------------------------------------------------ param groups
 
@@ -204,12 +245,17 @@ class Muon(Optimizer):
                     "algorithm that takes it ('muon', 'adamw', 'lion')",
                     setting,
                 )
+        # Other projects' names for its keys, renamed; an error about one names it as written.
+        group, aliased = canonical_with_aliases(algorithm.settings, group, where)
         defaults = self.group_defaults(algorithm.name)
         overrides = [key for key in defaults if key in group]
         for key, value in defaults.items():
             group.setdefault(key, value)
         if overrides:  # the defaults were checked (and normalized) with the config: only the group's own values now
-            group.update(algorithm.check(group, where))
+            try:
+                group.update(algorithm.check(group, where))
+            except HparamError as err:
+                raise named_as_written(err, aliased, where) from None
         algorithm.init_group(group, params, where)
         super().add_param_group(group)
 
@@ -219,13 +265,11 @@ class Muon(Optimizer):
         torch matches saved state to parameters by position alone: after a routing change that
         keeps group sizes, Muon momentum would land on an AdamW parameter and the reverse, and
         after one that changes shapes the first step would fail far from the cause
-        (``checkpoint_routing``). Groups saved before a knob existed take its default, after
-        their algorithm's ``upgrade_group`` (a key whose meaning changed keeps the old one).
+        (``checkpoint_routing``). A group saved without a setting takes the optimizer's default for it.
         """
         check_checkpoint_routing(self.param_groups, state_dict)
         super().load_state_dict(state_dict)
         for group in self.param_groups:
-            get_algorithm(group["algorithm"]).upgrade_group(group)
             for key, value in self.group_defaults(group["algorithm"]).items():
                 group.setdefault(key, value)
         restore_state_dtypes(self, state_dict)  # torch cast the state to each parameter's dtype
@@ -308,14 +352,14 @@ class Muon(Optimizer):
         writes the copy back into ``p``); its gradient is ``p``'s, in fp32. Returns the new
         work and the (parameter, master copy) pairs.
         """
-        if self.config.main_params_dtype is None:
+        if self.config.state.main_params_dtype is None:
             return work, []
         narrow = next((p for _, params, _ in work for p in params if has_main_param(self.config, p)), None)
         if narrow is None:
             return work, []
         if self._sharding is not None:
             raise HparamError(
-                f"Muon: main_params_dtype={self.config.main_params_dtype!r} keeps fp32 master copies in one "
+                f"Muon: main_params_dtype={self.config.state.main_params_dtype!r} keeps fp32 master copies in one "
                 f"process only, and {narrow.dtype} parameters step under a sharding ({type(self._sharding).__name__}); "
                 "keep float32 parameters there (bf16-mixed precision) or leave main_params_dtype at None",
                 "main_params_dtype",
@@ -440,29 +484,9 @@ class Muon(Optimizer):
         self._update_hooks.run(group, params, updates, ortho)
 
 
-def _init_signature() -> tuple[inspect.Signature, dict[str, Any]]:
-    """``Muon.__init__``'s signature and annotations: ``params``, every flat keyword, then the settings."""
-    keyword = inspect.Parameter.KEYWORD_ONLY
-    parameters = [
-        inspect.Parameter("self", inspect.Parameter.POSITIONAL_OR_KEYWORD),
-        inspect.Parameter("params", inspect.Parameter.POSITIONAL_OR_KEYWORD, annotation=Iterable[Any]),
-    ]
-    for name, annotation, default, _ in flat_keyword_fields():
-        if name == "ns_dtype":
-            annotation = annotation | torch.dtype  # a torch.dtype is taken too
-        parameters.append(inspect.Parameter(name, keyword, default=default, annotation=annotation))
-    settings = {
-        "algorithm_defaults": (dict[str, dict[str, Any]] | None, None),
-        "nonfinite": (NonFinite, "raise"),
-        "exp_avg_dtype": (StateDtype | torch.dtype, "float32"),
-        "exp_avg_sq_dtype": (StateDtype | torch.dtype, "float32"),
-        "main_params_dtype": (MainParamsDtype | torch.dtype, None),
-        "step_memory_mb": (StepMemory, "auto"),
-    }
-    for name, (annotation, default) in settings.items():
-        parameters.append(inspect.Parameter(name, keyword, default=default, annotation=annotation))
-    signature = inspect.Signature(parameters, return_annotation=None)
-    return signature, {p.name: p.annotation for p in parameters[1:]} | {"return": None}
-
-
-Muon.__init__.__signature__, Muon.__init__.__annotations__ = _init_signature()
+def _adamw_settings(lr: float, betas: Any, eps: float, weight_decay: float) -> AdamWSettings:
+    """``AdamWSettings`` from ``Muon``'s ``adamw_*`` keywords; an error names the keyword."""
+    try:
+        return AdamWSettings(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
+    except HparamError as err:
+        raise HparamError(f"Muon(): adamw_{err.detail}", f"adamw_{err.field}", f"adamw_{err.detail}") from None

@@ -31,11 +31,13 @@ matrices, 60 m^3 FLOPs against 90 m^3 for five steps with one restart.
 
 from __future__ import annotations
 
+import contextlib
 import functools
 import math
 import os
-from collections.abc import Collection, Sequence
-from typing import NamedTuple
+import typing
+from collections.abc import Collection, Iterator, Sequence
+from typing import Literal, NamedTuple
 
 import torch
 from torch import Tensor
@@ -59,6 +61,7 @@ __all__ = [
     "check_ns_method",
     "donated_dtypes",
     "dtype_name",
+    "matmul_precision",
     "gram_restarts",
     "ns_flops",
     "ns_flops_as_run",
@@ -70,6 +73,7 @@ __all__ = [
     "runs_alone",
     "stack_bytes",
     "stacks",
+    "NSMethod",
 ]
 
 Coefficients = tuple[float, float, float]
@@ -194,7 +198,8 @@ HALF_BATCH_MAX_SHORT_SIDE = 512
 # keeps the tensor cores busy: stacks reach up to 2^24 elements (4096 x 4096, 2048 x 8192).
 CUDA_BATCH_MAX_ELEMENTS = 1 << 24
 
-NS_METHODS = ("standard", "gram", "auto")
+NSMethod = Literal["standard", "gram", "auto"]
+NS_METHODS: tuple[str, ...] = typing.get_args(NSMethod)
 # ``method="auto"`` picks Gram Newton-Schulz for a matrix whose long side is at least
 # GRAM_MIN_ASPECT times its short side, and whose short side is at least GRAM_MIN_SHORT_SIDE,
 # when the iteration runs in float32 or float64. Measured with benchmarks/bench_optimizer.py
@@ -329,6 +334,33 @@ def resolve_ns_dtype(
             return torch.float64
         return torch.bfloat16 if bf16_matmul_is_fast(device) else torch.float32
     return check_ns_dtype(dtype)
+
+
+@contextlib.contextmanager
+def matmul_precision(precision: str | None, device: torch.device) -> Iterator[None]:
+    """``torch.set_float32_matmul_precision(precision)`` for the block on a CUDA ``device``, the previous one after.
+
+    Emerging-Optimizers' ``fp32_matmul_prec``: "high" allows TF32, "medium" bf16 passes. It
+    is process-wide; on a CPU (or with None) nothing changes, so that a float32 matmul there
+    stays exact whatever the host's bf16 support. Where precision was set per backend with
+    torch's newer API (``torch.backends.cuda.matmul.fp32_precision``), the legacy setting
+    cannot be read back without an error, and the block runs under the user's settings.
+    """
+    if precision is None or device.type != "cuda":
+        yield
+        return
+    try:
+        previous = torch.get_float32_matmul_precision()
+    except RuntimeError:  # "a mix of the legacy and new APIs": not ours to override
+        previous = precision
+    if previous == precision:
+        yield
+        return
+    torch.set_float32_matmul_precision(precision)
+    try:
+        yield
+    finally:
+        torch.set_float32_matmul_precision(previous)
 
 
 def check_ns_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:

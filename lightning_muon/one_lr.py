@@ -8,9 +8,9 @@ reads such a single lr ``x`` as the Muon lr and gives every group its share of i
 
     lr_i = x * B_i / L_muon
 
-``L_muon`` is the config's Muon lr (``MuonConfig.lr``) and ``B_i`` the lr group ``i`` is
-configured with: its routing rule's ``lr`` option, else its algorithm's lr in the config
-(``lr``, ``adamw_lr``, ``lion_lr``, ...). So the configured ratios between groups hold at
+``L_muon`` is the config's matrix lr (``MuonConfig.matrix.lr``) and ``B_i`` the lr group ``i``
+is configured with: its routing rule's ``lr`` option, else its algorithm's lr in the config
+(the ``matrix``, ``scalar`` or ``others`` section's). So the configured ratios between groups hold at
 every step of the lr finder's sweep, its recorded lr and its suggestion are Muon lrs, and
 SWA anneals each group to its share of ``swa_lrs``. A ``swa_lrs`` list (one value per group,
 not all equal) is used as given.
@@ -46,15 +46,15 @@ def lr_shares(config: MuonConfig, groups: list[dict[str, Any]]) -> list[float]:
     Raises:
         ValueError: the config's Muon lr is 0, so no group has a ratio to it.
     """
-    if config.lr == 0:
+    lr = config.matrix.lr
+    if lr == 0:
         raise ValueError(
-            "MuonConfig.lr is 0: a single lr for every group (the lr finder's sweep, SWA's swa_lrs) is read as the "
-            "Muon lr, and every other group's lr by its ratio to it; set a positive lr"
+            "MuonConfig.matrix.lr is 0: a single lr for every group (the lr finder's sweep, SWA's swa_lrs) is read as "
+            "the matrix lr, and every other group's lr by its ratio to it; set a positive lr"
         )
     rule_lrs = {r.group_name: r.options["lr"] for r in config.routing.rules if "lr" in r.options}
-    return [
-        rule_lrs.get(g.get("name"), config.optimizer.group_defaults(g["algorithm"])["lr"]) / config.lr for g in groups
-    ]
+    optimizer = config.optimizer
+    return [rule_lrs.get(g.get("name"), optimizer.group_defaults(g["algorithm"])["lr"]) / lr for g in groups]
 
 
 def _lr_finder_schedulers() -> tuple[type, ...]:

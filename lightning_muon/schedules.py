@@ -36,7 +36,7 @@ __all__ = [
     "LRSchedule",
     "MomentumWarmup",
     "MuonScheduler",
-    "ScheduleConfig",
+    "ScheduleSettings",
     "lr_multiplier",
     "momentum_at",
     "steps_of",
@@ -156,7 +156,9 @@ class MomentumWarmup:
     """Muon momentum from ``start`` to the group's own momentum over ``steps`` steps."""
 
     start: float = 0.85
+    """Muon momentum at step 0, in [0, 1)."""
     steps: int = 0
+    """Steps over which the momentum rises to each group's own; 0: no warmup."""
 
     def __post_init__(self) -> None:
         if not (isinstance(self.start, (int, float)) and 0.0 <= self.start < 1.0):
@@ -173,8 +175,8 @@ def momentum_at(step: int, target: float, warmup: MomentumWarmup) -> float:
 
 
 @dataclass(frozen=True, kw_only=True)
-class ScheduleConfig:
-    """The lr schedule and Muon momentum warmup of a run, as ``MuonConfig`` sets them; ``build()`` resolves it."""
+class ScheduleSettings:
+    """The lr schedule and Muon momentum warmup of a run (``MuonConfig.schedule``); ``build()`` resolves it."""
 
     falloff: Falloff = "constant"
     """lr falloff after warmup and stable: constant, linear, cosine, wsd, inverse_sqrt."""

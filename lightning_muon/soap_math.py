@@ -50,29 +50,23 @@ References:
 
 from __future__ import annotations
 
-from collections.abc import Iterator, MutableMapping
-from contextlib import contextmanager
-from typing import Literal
+from collections.abc import MutableMapping
 
 import torch
 from torch import Tensor
 
+from lightning_muon.newton_schulz import matmul_precision
+
 __all__ = [
-    "FP32_MATMUL_PRECISIONS",
     "SOAP_STATE_KEYS",
-    "WEIGHT_DECAY_METHODS",
-    "FP32MatmulPrec",
-    "WeightDecayMethod",
     "adam_direction_",
     "approx_eigvals",
     "clip_update_rms_",
-    "decay_weight_",
     "eigenbasis_eigh",
     "eigenbasis_power_qr",
     "factor_beta",
     "from_eigenbasis",
     "init_soap_state",
-    "matmul_precision",
     "refresh_eigenbasis",
     "soap_update",
     "to_eigenbasis",
@@ -80,41 +74,10 @@ __all__ = [
     "update_factors_kl_",
 ]
 
-FP32_MATMUL_PRECISIONS = ("highest", "high", "medium")
-FP32MatmulPrec = Literal["highest", "high", "medium"]
-WEIGHT_DECAY_METHODS = ("decoupled", "independent", "l2", "palm")
-WeightDecayMethod = Literal["decoupled", "independent", "l2", "palm"]
 SOAP_STATE_KEYS = ("exp_avg", "exp_avg_sq", "L", "R", "Q_L", "Q_R")
 """The tensors ``init_soap_state`` makes per matrix (besides the optimizer's ``step``)."""
 # Emerging-Optimizers' floor under the update's RMS before max_update_rms divides by it.
 _RMS_EPS = 1e-7
-
-
-@contextmanager
-def matmul_precision(precision: str | None, device: torch.device) -> Iterator[None]:
-    """``torch.set_float32_matmul_precision(precision)`` for the block on a CUDA ``device``, the previous one after.
-
-    Emerging-Optimizers' ``fp32_matmul_prec``: "high" allows TF32, "medium" bf16 passes. It
-    is process-wide; on a CPU (or with None) nothing changes, so that a float32 matmul there
-    stays exact whatever the host's bf16 support. Where precision was set per backend with
-    torch's newer API (``torch.backends.cuda.matmul.fp32_precision``), the legacy setting
-    cannot be read back without an error, and the block runs under the user's settings.
-    """
-    if precision is None or device.type != "cuda":
-        yield
-        return
-    try:
-        previous = torch.get_float32_matmul_precision()
-    except RuntimeError:  # "a mix of the legacy and new APIs": not ours to override
-        previous = precision
-    if previous == precision:
-        yield
-        return
-    torch.set_float32_matmul_precision(precision)
-    try:
-        yield
-    finally:
-        torch.set_float32_matmul_precision(previous)
 
 
 def init_soap_state(weight: Tensor, dtype: torch.dtype) -> dict[str, Tensor]:
@@ -260,19 +223,6 @@ def clip_update_rms_(update: Tensor, max_rms: float) -> Tensor:
         return update
     rms = update.square().mean().sqrt()
     return update.mul_((max_rms / (rms + _RMS_EPS)).clamp(max=1.0))
-
-
-def decay_weight_(weight: Tensor, lr: float, weight_decay: float, method: str) -> None:
-    """The decay that acts on the weight, in place; "l2" acts on the gradient (``soap_update``'s ``weight``).
-
-    "decoupled" ``W (1 - lr wd)``, "independent" ``W (1 - wd)``, "palm" ``W (1 - lr^2 wd)``,
-    each as ``W + (-s) W``: "palm"'s ``s`` is often below float32's spacing near 1, where
-    ``1 - s`` would round to 1.
-    """
-    if weight_decay == 0.0 or method == "l2":
-        return
-    shrink = {"decoupled": weight_decay * lr, "independent": weight_decay, "palm": weight_decay * lr * lr}
-    weight.add_(weight, alpha=-shrink[method])
 
 
 def soap_update(

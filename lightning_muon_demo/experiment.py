@@ -11,8 +11,9 @@ every parameter to AdamW.
 
 ``matrix_optimizer`` swaps Muon on the hidden matrices for another registered matrix
 algorithm (``"adaptive_muon"``, ``"scion"``, ``"polargrad"``, ``"mop"``, ``"spel"``,
-``"sinkhorn_muon"``, ``"soap"``, ``"rekls"``; ``algorithm_names(matrix=True)``), with its own
-hyperparameters in ``matrix_options``; the rest of the run stays the Muon run's.
+``"sinkhorn_muon"``, ``"soap"``, ``"rekls"``; ``algorithm_names(matrix=True)``): the config's
+``matrix`` section becomes that algorithm's settings, with ``matrix_options`` among them; the
+rest of the run stays the Muon run's.
 ``"sinkhorn_muon"`` needs Sinkhorn-normalized weights before its first step, so its hidden
 matrices start as ``sinkhorn_knopp`` of the GPT-2 initialization
 (``sinkhorn_normalize_matrices_``).
@@ -20,12 +21,13 @@ matrices start as ``sinkhorn_knopp`` of the GPT-2 initialization
 
 from __future__ import annotations
 
+import dataclasses
 import math
 import os
 import platform
 import time
 from collections.abc import Sequence
-from dataclasses import asdict, dataclass, field, fields
+from dataclasses import asdict, dataclass, field
 from pathlib import Path
 from typing import Any
 
@@ -33,10 +35,19 @@ import lightning.pytorch as pl
 import torch
 from lightning.pytorch.callbacks import Callback
 
-from lightning_muon import MuonConfig, Rule
-from lightning_muon.algorithms import get_algorithm, get_algorithm_of_kind, sinkhorn_knopp
-from lightning_muon.hparams import BUILTIN_HPARAMS
-from lightning_muon.routing import route_parameters
+from lightning_muon import (
+    AdamWSettings,
+    MomentumWarmup,
+    MuonConfig,
+    MuonSettings,
+    RoutingSettings,
+    Rule,
+    ScheduleFreeSettings,
+    ScheduleSettings,
+    StateSettings,
+)
+from lightning_muon.algorithms import MatrixSettings, get_algorithm, get_algorithm_of_kind, sinkhorn_knopp
+from lightning_muon.aliases import aliases_of, canonical, settings_from
 from lightning_muon_demo.data import CharTextDataModule
 from lightning_muon_demo.module import CharGPTModule
 
@@ -47,9 +58,10 @@ __all__ = [
     "ValLossRecorder",
     "build_run",
     "machine_name",
-    "matrix_lr_key",
+    "matrix_settings",
     "muon_config_for",
     "plot_curves",
+    "shares_muon_settings",
     "sinkhorn_normalize_matrices_",
     "steps_to_reach",
     "train",
@@ -63,6 +75,9 @@ STATE_DTYPES = ("float32", "bfloat16")
 # (seed 0, 300 steps): Muon (match_rms_adamw scaling) over 0.0025, 0.005, 0.01 (0.02 and 0.04
 # did worse in a first sweep), AdamW over 1e-3, 3e-3, 1e-2.
 DEFAULT_LR = {"muon": 0.01, "adamw": 3e-3}
+# The Muon run's Muon settings (its lr is ``RunSpec.lr``, its coefficients ``RunSpec.ns_coefficients``);
+# Moonlight's scale: the Muon update has AdamW's RMS, so weight decay and lr transfer.
+MUON_RUN = {"momentum": 0.95, "weight_decay": 0.01, "adjust_lr": "match_rms_adamw"}
 
 
 @dataclass(kw_only=True)
@@ -74,24 +89,28 @@ class RunSpec:
     steps: int = 300
     """Optimizer steps."""
     lr: float | None = None
-    """The hidden matrices' lr: Muon's for ``"muon"`` (or ``matrix_optimizer``'s, ``matrix_lr_key``), AdamW's for
-    ``"adamw"``; None: ``DEFAULT_LR`` (the best of the quality sweep), or ``matrix_optimizer``'s own default."""
+    """The hidden matrices' lr: the ``matrix`` section's for ``"muon"`` (Muon's, or ``matrix_optimizer``'s), the
+    ``scalar`` section's (AdamW's) for ``"adamw"``; None: ``DEFAULT_LR`` (the best of the quality sweep), or the
+    default lr of ``matrix_optimizer``'s settings where they are not Muon's (``shares_muon_settings``)."""
     matrix_optimizer: str = "muon"
     """The Muon run's hidden matrices: ``"muon"`` or another registered matrix algorithm (``"adaptive_muon"``,
     ``"scion"``, ``"polargrad"``, ``"mop"``, ``"spel"``, ``"sinkhorn_muon"``, ``"soap"``, ``"rekls"``, ...)."""
     matrix_options: dict[str, Any] = field(default_factory=dict)
-    """``matrix_optimizer``'s hyperparameters by their own names, e.g. ``{"moment2_method": "normuon"}``; they
-    become its flat ``MuonConfig`` keywords (``adaptive_muon_moment2_method``). Not ``lr``: that is ``lr``."""
+    """Settings of ``matrix_optimizer`` (fields of its settings class, or other projects' names for them, e.g.
+    ``{"moment2_method": "normuon"}``): the ``init_args`` of the config's ``matrix`` section. Not ``lr``: that is
+    ``lr``."""
     adamw_lr: float = 3e-3
-    """AdamW lr of the Muon run's embeddings, head and vectors."""
+    """The Muon run's ``scalar`` lr (AdamW's, or Schedule-Free's): its embeddings, head and vectors."""
     ns_coefficients: str = "polar_express"
     """Newton-Schulz coefficient schedule of the Muon run."""
     scalar_optimizer: str = "adamw"
-    """The Muon run's embeddings, head and vectors: ``"adamw"`` or ``"adamw_schedulefree"`` (lr ``adamw_lr``)."""
+    """The Muon run's embeddings, head and vectors: ``"adamw"`` (``AdamWSettings``) or ``"adamw_schedulefree"``
+    (``ScheduleFreeSettings``), at lr ``adamw_lr``."""
     schedule: str = "wsd"
     """``"wsd"`` (5% warmup, stable, linear cooldown over the last 30%) or ``"constant"`` (5% warmup, then flat)."""
     state_dtype: str = "float32"
-    """The optimizer's moments (``exp_avg_dtype`` and ``exp_avg_sq_dtype``): ``"float32"`` or ``"bfloat16"``."""
+    """The optimizer's moments (the ``state`` section's ``exp_avg_dtype`` and ``exp_avg_sq_dtype``): ``"float32"``
+    or ``"bfloat16"``."""
     seed: int = 0
     """Model initialisation and training-window order."""
     eval_every: int = 25
@@ -129,8 +148,8 @@ class RunSpec:
         if self.state_dtype != "float32" and self.scalar_optimizer == "adamw_schedulefree":
             raise ValueError("state_dtype='bfloat16' needs scalar_optimizer='adamw' (Schedule-Free keeps its state)")
         if self.matrix_options:
-            try:  # the values: MuonConfig checks each and names its flat keyword
-                muon_config_for(self)
+            try:  # the values: the settings check each and name it as written
+                matrix_settings(self)
             except ValueError as err:
                 raise ValueError(f"matrix_options of {self.matrix_optimizer!r}: {err}") from None
 
@@ -146,34 +165,33 @@ class RunSpec:
             raise ValueError(f"matrix_options must be a dict with str keys, got {self.matrix_options!r}")
         if "lr" in self.matrix_options:
             raise ValueError(f"matrix_options must not set 'lr': RunSpec.lr is the lr of {self.matrix_optimizer!r}")
-        known = _hparam_names(self.matrix_optimizer)
+        known = _setting_names(self.matrix_optimizer)
         unknown = sorted(set(self.matrix_options) - known)
         if unknown:
             raise ValueError(
                 f"matrix_options has keys {unknown} that {self.matrix_optimizer!r} does not take; its keys are "
                 f"{sorted(known - {'lr'})}"
             )
-        if self.ns_coefficients != "polar_express" and matrix_lr_key(self.matrix_optimizer) != "lr":
+        if self.ns_coefficients != "polar_express" and not shares_muon_settings(self.matrix_optimizer):
             raise ValueError(
                 f"ns_coefficients is Muon's; {self.matrix_optimizer!r} takes its own coefficients "
-                "(matrix_options={'coefficient_type': ...}), so leave ns_coefficients at 'polar_express'"
+                "(matrix_options={'ns_coefficients': ...}), so leave ns_coefficients at 'polar_express'"
             )
 
     @property
     def resolved_lr(self) -> float:
-        """``lr``, or the default it stands for: ``DEFAULT_LR``, or ``matrix_optimizer``'s own default lr."""
+        """``lr``, or the default it stands for: ``DEFAULT_LR``, or ``matrix_optimizer``'s settings' default lr."""
         if self.lr is not None:
             return self.lr
-        key = matrix_lr_key(self.matrix_optimizer) if self.optimizer == "muon" else "lr"
-        if key == "lr":
+        if self.optimizer != "muon" or shares_muon_settings(self.matrix_optimizer):
             return DEFAULT_LR[self.optimizer]
-        return get_algorithm(self.matrix_optimizer).hparams().lr
+        return get_algorithm(self.matrix_optimizer).settings().lr
 
     @property
     def label(self) -> str:
         name = self.optimizer if self.matrix_optimizer == "muon" else self.matrix_optimizer
-        # Muon's Newton-Schulz schedule names the runs that use it (Muon, and variants on Muon's keys).
-        muon_keys = self.optimizer == "muon" and matrix_lr_key(self.matrix_optimizer) == "lr"
+        # Muon's Newton-Schulz schedule names the runs that use it (Muon, and the variants on Muon's settings).
+        muon_keys = self.optimizer == "muon" and shares_muon_settings(self.matrix_optimizer)
         extra = f", {self.ns_coefficients}" if muon_keys else ""
         extra += "".join(f", {k}={v}" for k, v in self.matrix_options.items())
         if self.matrix_optimizer == "sinkhorn_muon":
@@ -187,86 +205,68 @@ class RunSpec:
         return f"{name} (lr {self.resolved_lr:g}{extra})"
 
 
-def _hparam_names(algorithm: str) -> frozenset[str]:
-    """The hyperparameter names of a registered algorithm (its hparams dataclass's fields)."""
-    return frozenset(f.name for f in fields(get_algorithm(algorithm).hparams))
+def _setting_names(algorithm: str) -> frozenset[str]:
+    """The settings a registered algorithm takes: its settings' fields and other projects' names for them."""
+    cls = get_algorithm(algorithm).settings
+    return frozenset({*cls.field_names(), *aliases_of(cls)})
 
 
-def matrix_lr_key(algorithm: str) -> str:
-    """Where ``MuonConfig`` holds ``algorithm``'s lr: ``"lr"`` (Muon's) or ``"<name>_lr"``.
+def shares_muon_settings(algorithm: str) -> bool:
+    """Whether ``algorithm``'s settings are Muon's and more (``"muon"``, ``"adaptive_muon"``, ``"muon_hyperball"``).
 
-    Muon and its variants without an lr of their own (``"adaptive_muon"``, ``"muon_hyperball"``)
-    take Muon's ``lr``; Emerging-Optimizers' (``"scion"``, ``"soap"``, ...) their prefixed one; an
-    algorithm registered outside the package, the ``lr`` of its ``algorithm_defaults`` entry.
+    Such a run takes the Muon run's settings (``DEFAULT_LR``, ``MUON_RUN``, ``ns_coefficients``); any other
+    matrix algorithm starts from its own settings' defaults (Emerging-Optimizers' for the built-ins).
     """
-    if algorithm == "muon" or "lr" not in _hparam_names(algorithm):
-        return "lr"
-    if algorithm in BUILTIN_HPARAMS:
-        return BUILTIN_HPARAMS[algorithm].prefix + "lr"
-    return f"algorithm_defaults[{algorithm!r}]['lr']"
+    return issubclass(get_algorithm(algorithm).settings, MuonSettings)
 
 
-def _matrix_kwargs(spec: RunSpec) -> dict[str, Any]:
-    """``MuonConfig`` keywords that put ``spec.matrix_optimizer`` on the hidden matrices at ``spec.lr``.
+def matrix_settings(spec: RunSpec) -> MatrixSettings:
+    """The ``matrix`` section of ``spec``'s Muon run: ``spec.matrix_optimizer``'s settings at ``spec.resolved_lr``.
 
-    A built-in algorithm's options become its flat keywords (``prefix + key``); a user's go to
-    ``algorithm_defaults``.
+    An algorithm on Muon's settings starts from the Muon run's (``MUON_RUN``, ``spec.ns_coefficients``), any
+    other from its own defaults; ``spec.matrix_options`` go on top (other projects' names renamed).
     """
-    name, lr = spec.matrix_optimizer, spec.resolved_lr
-    if name == "muon":
-        return {"lr": lr, **spec.matrix_options}
-    own = dict(spec.matrix_options)
-    out: dict[str, Any] = {"matrix_optimizer": name}
-    if matrix_lr_key(name) == "lr":
-        out["lr"] = lr
-    else:
-        own["lr"] = lr
-    if name in BUILTIN_HPARAMS:
-        out.update({BUILTIN_HPARAMS[name].prefix + k: v for k, v in own.items()})
-    elif own:
-        out["algorithm_defaults"] = {name: own}
-    return out
+    name = spec.matrix_optimizer
+    cls = get_algorithm(name).settings
+    where = cls.__name__
+    base = {**MUON_RUN, "ns_coefficients": spec.ns_coefficients} if shares_muon_settings(name) else {}
+    for field_name in canonical(cls, spec.matrix_options, where):  # the options win over the run's settings
+        base.pop(field_name, None)
+    # The options go in as written, so that a bad value is named by the name the user gave.
+    return settings_from(cls, {**base, **spec.matrix_options, "lr": spec.resolved_lr}, where)
 
 
 def muon_config_for(spec: RunSpec) -> MuonConfig:
     """The optimizer and schedule of ``spec``: warmup 5%, stable, linear cooldown over the last 30% (``wsd``).
 
-    ``schedule="constant"`` keeps the warmup and drops the cooldown; ``state_dtype`` is the
-    dtype the moments are stored in (``exp_avg_dtype``, ``exp_avg_sq_dtype``).
+    ``schedule="constant"`` keeps the warmup and drops the cooldown; ``state_dtype`` is the dtype the moments
+    are stored in (the ``state`` section's ``exp_avg_dtype`` and ``exp_avg_sq_dtype``). The Muon run's
+    ``matrix`` section is ``matrix_settings(spec)``, its ``scalar`` section AdamW (or Schedule-Free AdamW) at
+    ``spec.adamw_lr``; the AdamW run routes every parameter to its ``scalar`` section, AdamW at ``spec.lr``.
     """
-    schedule = dict(falloff="wsd", warmup=0.05, cooldown=0.3, total_steps=spec.steps)
+    schedule = ScheduleSettings(falloff="wsd", warmup=0.05, cooldown=0.3, total_steps=spec.steps)
     if spec.schedule == "constant":
-        schedule = dict(falloff="constant", warmup=0.05, total_steps=spec.steps)
-    state = dict(exp_avg_dtype=spec.state_dtype, exp_avg_sq_dtype=spec.state_dtype)
+        schedule = ScheduleSettings(falloff="constant", warmup=0.05, total_steps=spec.steps)
+    state = StateSettings(exp_avg_dtype=spec.state_dtype, exp_avg_sq_dtype=spec.state_dtype)
     if spec.optimizer == "muon":
-        muon = dict(
-            lr=DEFAULT_LR["muon"],
-            momentum=0.95,
-            weight_decay=0.01,
-            ns_coefficients=spec.ns_coefficients,
-            # Moonlight's scale: the Muon update has AdamW's RMS, so weight decay and lr transfer.
-            adjust_lr="match_rms_adamw",
-        )
-        # Another matrix algorithm keeps Muon's keys (adaptive_muon reads them) and sets its own.
+        scalar = AdamWSettings if spec.scalar_optimizer == "adamw" else ScheduleFreeSettings
         return MuonConfig(
-            **{**muon, **_matrix_kwargs(spec)},
-            scalar_optimizer=spec.scalar_optimizer,
-            adamw_lr=spec.adamw_lr,
-            adamw_weight_decay=0.01,
-            momentum_warmup_steps=min(100, spec.steps // 4),
-            **state,
-            **schedule,
+            matrix=matrix_settings(spec),
+            scalar=scalar(lr=spec.adamw_lr, weight_decay=0.01),
+            state=state,
+            schedule=dataclasses.replace(schedule, momentum_warmup=MomentumWarmup(steps=min(100, spec.steps // 4))),
         )
     return MuonConfig(
-        default_rules=False,
-        rules=[
-            Rule(name="matrices", algorithm="adamw", group="adamw", min_ndim=2),
-            Rule(name="vectors", algorithm="adamw", group="adamw_no_decay", options={"weight_decay": 0.0}),
-        ],
-        adamw_lr=DEFAULT_LR["adamw"] if spec.lr is None else spec.lr,
-        adamw_weight_decay=0.01,
-        **state,
-        **schedule,
+        scalar=AdamWSettings(lr=spec.resolved_lr, weight_decay=0.01),
+        routing=RoutingSettings(
+            default_rules=False,
+            rules=[
+                Rule(name="matrices", algorithm="adamw", group="adamw", min_ndim=2),
+                Rule(name="vectors", algorithm="adamw", group="adamw_no_decay", options={"weight_decay": 0.0}),
+            ],
+        ),
+        state=state,
+        schedule=schedule,
     )
 
 
@@ -298,7 +298,7 @@ def sinkhorn_normalize_matrices_(module: torch.nn.Module, config: MuonConfig) ->
     params = dict(module.named_parameters())
     names = [
         name
-        for group in route_parameters(module, **config.routing_kwargs())
+        for group in config.routing_config.build(module)
         if group["algorithm"] == "sinkhorn_muon"
         for name in group["param_names"]
     ]

@@ -15,8 +15,9 @@ class CharGPTModule(MuonModuleMixin, pl.LightningModule):
     """A character-level GPT whose ``configure_optimizers`` comes from ``MuonModuleMixin``.
 
     Logs ``train_loss`` every step and ``val_loss`` (mean nats per byte) every validation.
-    ``muon_config`` holds every optimizer, routing and schedule knob (a ``MuonConfig`` or
-    a dict of its fields, e.g. from YAML).
+    ``muon_config`` holds every optimizer, routing and schedule setting: a ``MuonConfig``, or a
+    dict of its sections (``matrix``, ``scalar``, ``state``, ``routing``, ``schedule``, ...), e.g.
+    from YAML.
     """
 
     def __init__(

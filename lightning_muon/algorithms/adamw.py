@@ -15,7 +15,6 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
@@ -23,41 +22,16 @@ import torch
 from torch import Tensor
 
 from lightning_muon.algorithms.base import Algorithm, StepContext, register_algorithm
-from lightning_muon.algorithms.checks import check_betas, check_number, normalize
+from lightning_muon.algorithms.families import AdamLikeSettings
 from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS, state_dtype
 from lightning_muon.functional import adamw_
 
-__all__ = ["ADAMW", "AdamW", "AdamWHparams", "Betas", "check_adamw"]
-
-Betas = tuple[float, float]
+__all__ = ["ADAMW", "AdamW", "AdamWSettings", "momentum_readout"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class AdamWHparams:
-    """AdamW groups (``Muon``'s ``adamw_*`` keywords), as ``torch.optim.AdamW``."""
-
-    lr: float = 3e-4
-    """AdamW learning rate (peak); follows the same schedule as Muon's."""
-    betas: Betas = (0.9, 0.95)
-    """(beta1, beta2), each in [0, 1)."""
-    eps: float = 1e-8
-    """Added to the root of the second moment; > 0."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay."""
-
-    prefix = "adamw_"  # not a field: the prefix of these knobs among Muon's keywords
-
-    def __post_init__(self) -> None:
-        normalize(self, check_adamw(dataclasses.asdict(self), "Muon()", self.prefix))
-
-
-def check_adamw(group: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-    """Check AdamW's hyperparameters in ``group``; returns the normalized values (``betas`` a tuple)."""
-    check_number(group["lr"], prefix + "lr", where, 0.0)
-    check_number(group["weight_decay"], prefix + "weight_decay", where, 0.0)
-    betas = check_betas(group["betas"], where, prefix)
-    check_number(group["eps"], prefix + "eps", where, 0.0, low_open=True)
-    return {"betas": betas}
+class AdamWSettings(AdamLikeSettings, algorithm="adamw"):
+    """AdamW groups, as ``torch.optim.AdamW`` (``Muon``'s ``adamw_*`` keywords)."""
 
 
 def momentum_readout(group: dict[str, Any]) -> None:
@@ -65,40 +39,37 @@ def momentum_readout(group: dict[str, Any]) -> None:
     group["momentum"] = group["betas"][0]
 
 
+def adam_moments(ctx: StepContext, params: list[Tensor]) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
+    """Adam's state of ``params``: ``(exp_avg, exp_avg_sq, step)`` lists, made zero on a parameter's first step
+    (the moments in ``exp_avg_dtype`` and ``exp_avg_sq_dtype``, ``state_dtypes``)."""
+    for p in params:
+        entry = ctx.state[p]
+        if "exp_avg" not in entry:
+            entry["step"] = torch.tensor(0.0)
+            for key, setting in (("exp_avg", "exp_avg_dtype"), ("exp_avg_sq", "exp_avg_sq_dtype")):
+                dtype = state_dtype(ctx, setting, p)
+                entry[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+    entries = [ctx.state[p] for p in params]
+    return [s["exp_avg"] for s in entries], [s["exp_avg_sq"] for s in entries], [s["step"] for s in entries]
+
+
 class AdamW(Algorithm):
     """``"adamw"``: AdamW, bit for bit ``torch.optim.AdamW``."""
 
     name = "adamw"
-    hparams = AdamWHparams
+    settings = AdamWSettings
     state_dtype_settings = frozenset(STATE_SETTINGS)
-
-    def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-        return check_adamw(values, where, prefix)
 
     def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
         momentum_readout(group)
 
     def step_group(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
-        state = ctx.state
-        for p in params:
-            entry = state[p]
-            if "exp_avg" not in entry:
-                entry["step"] = torch.tensor(0.0)
-                entry["exp_avg"] = torch.zeros_like(
-                    p, dtype=state_dtype(ctx, "exp_avg_dtype", p), memory_format=torch.preserve_format
-                )
-                entry["exp_avg_sq"] = torch.zeros_like(
-                    p, dtype=state_dtype(ctx, "exp_avg_sq_dtype", p), memory_format=torch.preserve_format
-                )
-        entries = [state[p] for p in params]
         beta1, beta2 = group["betas"]
         momentum_readout(group)  # betas may have been changed since (a scheduler, a user)
         adamw_(
             params,
             grads,
-            [s["exp_avg"] for s in entries],
-            [s["exp_avg_sq"] for s in entries],
-            [s["step"] for s in entries],
+            *adam_moments(ctx, params),
             lr=group["lr"],
             beta1=beta1,
             beta2=beta2,

@@ -14,7 +14,6 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
 import weakref
 from dataclasses import dataclass
 from typing import Any
@@ -22,17 +21,16 @@ from typing import Any
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_muon.algorithms.adamw import Betas, momentum_readout
-from lightning_muon.algorithms.base import Algorithm, HparamsSource, StepContext, register_algorithm
-from lightning_muon.algorithms.checks import check_betas, check_int, check_number, normalize, with_placeholders
-from lightning_muon.algorithms.lion import with_adamw_fallbacks
+from lightning_muon.algorithms.adamw import momentum_readout
+from lightning_muon.algorithms.base import Algorithm, StepContext, register_algorithm
+from lightning_muon.algorithms.families import AdamLikeSettings, checked_betas
+from lightning_muon.algorithms.settings import setting
 
 __all__ = [
     "SCHEDULE_FREE",
     "SCHEDULE_FREE_ADAMW",
     "ScheduleFreeAdamW",
-    "ScheduleFreeHparams",
-    "check_schedule_free",
+    "ScheduleFreeSettings",
     "schedule_free_groups",
     "schedule_free_training",
     "schedulefree",
@@ -43,40 +41,18 @@ SCHEDULE_FREE = "adamw_schedulefree"
 
 
 @dataclass(frozen=True, kw_only=True)
-class ScheduleFreeHparams:
-    """Schedule-Free AdamW groups (``Muon``'s ``adamw_schedulefree_*`` keywords), ``AdamWScheduleFree``'s own."""
+class ScheduleFreeSettings(AdamLikeSettings, algorithm=SCHEDULE_FREE, defaults={"betas": (0.9, 0.999)}):
+    """Schedule-Free AdamW groups, ``AdamWScheduleFree``'s own settings; warmup only, never a falloff."""
 
-    lr: float | None = None
-    """Learning rate; None takes AdamW's. Warmup only, never a falloff."""
-    betas: Betas = (0.9, 0.999)
-    """(beta1, beta2); beta1 in (0, 1) interpolates between the average and the iterate."""
-    eps: float = 1e-8
-    """Added to the root of the second moment; > 0."""
-    weight_decay: float | None = None
-    """Weight decay (at y, times the lr); None takes AdamW's."""
-    warmup_steps: int = 0
+    warmup_steps: int = setting(0, low=0, integer=True)
     """schedulefree's own warmup inside the optimizer."""
-    r: float = 0.0
+    r: float = setting(0.0, low=0.0)
     """Polynomial weighting power of the average."""
-    weight_lr_power: float = 2.0
-    """The averaging weight is ``lr_max ** weight_lr_power``."""
+    weight_lr_power: float = setting(2.0, low=0.0)
+    """The averaging weight is lr_max ** weight_lr_power."""
 
-    prefix = "adamw_schedulefree_"  # not a field: the prefix of these knobs among Muon's keywords
-
-    def __post_init__(self) -> None:
-        normalize(self, check_schedule_free(with_placeholders(self), "Muon()", self.prefix))
-
-
-def check_schedule_free(group: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-    """Check Schedule-Free AdamW's hyperparameters in ``group``; returns the normalized values."""
-    check_number(group["lr"], prefix + "lr", where, 0.0)
-    check_number(group["weight_decay"], prefix + "weight_decay", where, 0.0)
-    betas = check_betas(group["betas"], where, prefix, beta1_open=True)  # eval() divides by beta1
-    check_number(group["eps"], prefix + "eps", where, 0.0, low_open=True)
-    check_int(group["warmup_steps"], prefix + "warmup_steps", where, 0)
-    check_number(group["r"], prefix + "r", where, 0.0)
-    check_number(group["weight_lr_power"], prefix + "weight_lr_power", where, 0.0)
-    return {"betas": betas}
+    def normalize(self) -> None:
+        self._set("betas", checked_betas(self, self.betas, beta1_open=True))  # eval() divides by beta1
 
 
 def schedulefree() -> Any:
@@ -106,7 +82,7 @@ class ScheduleFreeAdamW(Algorithm):
     """
 
     name = SCHEDULE_FREE
-    hparams = ScheduleFreeHparams
+    settings = ScheduleFreeSettings
     follows_falloff = False
 
     def __init__(self) -> None:
@@ -114,14 +90,8 @@ class ScheduleFreeAdamW(Algorithm):
         # made again from the groups on use).
         self._inner: weakref.WeakKeyDictionary[StepContext, Optimizer] = weakref.WeakKeyDictionary()
 
-    def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-        return check_schedule_free(values, where, prefix)
-
-    def group_defaults(self, config: HparamsSource) -> dict[str, Any]:
-        return with_adamw_fallbacks(dataclasses.asdict(config.hparams_of("adamw_schedulefree")), config)
-
     def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
-        knobs = {f.name: group[f.name] for f in dataclasses.fields(ScheduleFreeHparams)}
+        knobs = {name: group[name] for name in ScheduleFreeSettings.field_names()}
         for key, value in schedulefree_group(params, knobs).items():
             group.setdefault(key, value)
         momentum_readout(group)

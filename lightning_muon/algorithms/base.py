@@ -1,14 +1,14 @@
 """The algorithm registry: what a param group's ``"algorithm"`` names, and how to add one.
 
 ``Muon`` steps every param group with the ``Algorithm`` registered under the group's
-``"algorithm"`` key. An algorithm is one object that knows its hyperparameters (a
-dataclass whose fields are the group keys it reads, with their defaults), how to check
-them, what a new group needs, and how to step a group::
+``"algorithm"`` key. An algorithm is one object that knows its settings (a
+``Settings`` dataclass whose fields are the group keys it reads, with their defaults and
+checks), what a new group needs, and how to step a group::
 
     Muon.add_param_group(group)
         algorithm = get_algorithm(group["algorithm"])   # or the one its tensors imply
         group <- algorithm.group_defaults(config)        # defaults from Muon(...) / MuonConfig
-        algorithm.check(group's own values)              # a bad value names the key
+        algorithm.check(group's own values)              # aliases renamed; a bad value names the key
         algorithm.init_group(group, params)              # shapes, derived keys
     Muon.step()
         algorithm.prepare_step(ctx, groups)              # per algorithm in use, before the closure
@@ -40,14 +40,16 @@ from typing import TYPE_CHECKING, Any, ClassVar, Protocol
 
 from torch import Tensor
 
-from lightning_muon.algorithms.checks import HparamError
+from lightning_muon.algorithms.settings import Settings
+from lightning_muon.aliases import aliases_of, settings_from
+from lightning_muon.aliases import canonical as canonical_keys
 
 if TYPE_CHECKING:
     from lightning_muon.distributed.protocol import Sharding
 
 __all__ = [
     "Algorithm",
-    "HparamsSource",
+    "SettingsSource",
     "StepContext",
     "algorithm_names",
     "get_algorithm",
@@ -58,12 +60,12 @@ __all__ = [
 ]
 
 
-class HparamsSource(Protocol):
+class SettingsSource(Protocol):
     """Where new groups read their defaults: ``hparams.OptimizerConfig`` (named here by shape, not imported:
     ``hparams`` imports the algorithms)."""
 
-    def hparams_of(self, algorithm: str) -> Any:
-        """The hyperparameters (an ``hparams`` dataclass instance) new groups of ``algorithm`` start from."""
+    def settings_of(self, algorithm: str) -> Settings:
+        """The settings new groups of ``algorithm`` start from."""
         ...
 
 
@@ -133,7 +135,7 @@ _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
 class Algorithm:
     """One update rule for ``Muon``'s param groups: its hyperparameters, their checks, its state and its step.
 
-    Subclass it in a module of its own: set ``name`` and ``hparams``, write ``step_group``, and
+    Subclass it in a module of its own: set ``name`` and ``settings``, write ``step_group``, and
     register an instance with ``register_algorithm`` (or decorate the class with it). The other
     methods have defaults that suit an elementwise rule; the built-ins override what they need.
     The per-parameter state lives in ``ctx.state[p]`` (saved and loaded with the
@@ -141,14 +143,14 @@ class Algorithm:
 
     Class attributes:
         name: the group's ``"algorithm"`` value; a Python identifier.
-        hparams: a dataclass whose fields are the group keys this algorithm reads, with their
-            defaults; constructing it checks values (raise ``ValueError`` in ``__post_init__``).
+        settings: a ``Settings`` dataclass whose fields are the group keys this algorithm reads,
+            with their defaults; constructing it checks values (``algorithms.settings``).
         orthogonalizes: True for Muon and its variants: their groups hold matrices whose
             updates are orthogonalized, their ``momentum`` is Muon's (the momentum warmup
             drives it) and the update hooks observe them.
         per_matrix: True when the work is per whole matrix (Newton-Schulz, SOAP's
-            eigenbases): the algorithm takes the hidden matrices (``matrix_optimizer``, not
-            ``scalar_optimizer``) and a ``Sharding`` gives each matrix to one owner rank.
+            eigenbases): the algorithm takes the hidden matrices (``MuonConfig.matrix``, not
+            ``scalar``) and a ``Sharding`` gives each matrix to one owner rank.
             Every orthogonalizing algorithm is one.
         follows_falloff: False when the lr schedule applies only its warmup to these groups
             (Schedule-Free AdamW averages its iterates instead of decaying the lr).
@@ -162,7 +164,7 @@ class Algorithm:
     """
 
     name: ClassVar[str] = ""
-    hparams: ClassVar[type] = type(None)
+    settings: ClassVar[type[Settings]] = Settings
     orthogonalizes: ClassVar[bool] = False
     per_matrix: ClassVar[bool] = False
     follows_falloff: ClassVar[bool] = True
@@ -172,49 +174,31 @@ class Algorithm:
     # ------------------------------------------------------------------ hyperparameters
 
     def option_names(self) -> frozenset[str]:
-        """The keys a param group of this algorithm may set: its hyperparameters, layout, ``name``, ``param_names``."""
-        own = {f.name for f in dataclasses.fields(self.hparams)}
-        return frozenset({"name", "param_names"} | own | self.layout_options)
+        """The keys a param group of this algorithm may set: its settings, layout, ``name``, ``param_names``."""
+        names = {*self.settings.field_names(), *aliases_of(self.settings)}  # other projects' names too (aliases)
+        return frozenset({"name", "param_names", *names, *self.layout_options})
 
-    def make_hparams(self, values: Mapping[str, Any], where: str = "Muon()", prefix: str = "") -> Any:
-        """An ``hparams`` instance from ``values`` (unknown keys refused), checked by its ``__post_init__``."""
-        fields = {f.name for f in dataclasses.fields(self.hparams)}
-        unknown = sorted(set(values) - fields)
-        if unknown:
-            raise HparamError(
-                f"{where}: {unknown} are not hyperparameters of {self.name!r} (valid: {sorted(fields)})", prefix
-            )
-        try:
-            return self.hparams(**values)
-        except HparamError as err:  # a built-in check: its message after its own "Muon(): "
-            raise HparamError(f"{where}: {err.detail}", err.field, err.detail) from None
-        except (TypeError, ValueError) as err:
-            raise HparamError(f"{where}: {self.name}: {err}", prefix) from None
+    def make_settings(self, values: Mapping[str, Any], where: str = "Muon()") -> Settings:
+        """``settings`` from ``values`` (other projects' names renamed, ``aliases``; unknown keys refused), checked."""
+        return settings_from(self.settings, values, where)
 
-    def check(self, values: Mapping[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-        """Check this algorithm's hyperparameters in ``values`` (a group); returns the normalized ones to store.
+    def check(self, values: Mapping[str, Any], where: str) -> dict[str, Any]:
+        """Check the settings in ``values`` (a group; others' names renamed); returns the normalized ones to store.
 
-        ``where`` starts every message (``"Muon()"``, ``"param group 2 ('muon')"``); ``prefix``
-        makes names the keywords a user passed (``adamw_eps``). Raises ``HparamError``.
+        ``where`` starts every message (``"Muon()"``, ``"param group 2 ('muon')"``). Raises ``HparamError``.
         """
-        fields = [f.name for f in dataclasses.fields(self.hparams)]
-        return dataclasses.asdict(self.make_hparams({k: values[k] for k in fields if k in values}, where, prefix))
+        fields = self.settings.field_names()
+        given = {k: v for k, v in canonical_keys(self.settings, values, where).items() if k in fields}
+        return self.make_settings(given, where).asdict()
 
-    def group_defaults(self, config: HparamsSource) -> dict[str, Any]:
-        """The values a new group of this algorithm starts from: ``config``'s hyperparameters for it."""
-        return dataclasses.asdict(config.hparams_of(self.name))
+    def group_defaults(self, config: SettingsSource) -> dict[str, Any]:
+        """The values a new group of this algorithm starts from: ``config``'s settings for it."""
+        return config.settings_of(self.name).asdict()
 
     # ------------------------------------------------------------------ groups
 
     def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
         """Check ``params`` against the group and add derived keys (in place); called once per new group."""
-
-    def upgrade_group(self, group: dict[str, Any]) -> None:
-        """A group loaded from a checkpoint (in place), before the keys it lacks take their defaults.
-
-        An algorithm whose keys changed meaning marks a group saved before that here, so that
-        it steps as it was saved (Muon's ``second_moment_version``).
-        """
 
     # ------------------------------------------------------------------ steps
 
@@ -246,12 +230,12 @@ def register_algorithm(algorithm: Algorithm | type[Algorithm], *, replace: bool 
 
     Returns what it was given, so it also decorates a class. A name already registered raises
     unless ``replace=True``. From then on ``name`` may be a param group's ``"algorithm"``, a
-    ``Rule``'s ``algorithm``, ``MuonConfig.scalar_optimizer`` or ``matrix_optimizer``, and a key
-    of ``algorithm_defaults``.
+    ``Rule``'s ``algorithm``, and its ``settings`` a ``MuonConfig`` section (``matrix``, ``scalar``
+    or ``others``) or one of ``Muon(settings=...)``.
 
     Raises:
-        TypeError: not an ``Algorithm``, or ``hparams`` is not a dataclass.
-        ValueError: a bad or taken name, a hyperparameter named like a reserved group key,
+        TypeError: not an ``Algorithm``, or ``settings`` is not a ``Settings`` dataclass.
+        ValueError: a bad or taken name, a setting named like a reserved group key,
             or no ``step_group``.
     """
     is_class = isinstance(algorithm, type)
@@ -261,11 +245,15 @@ def register_algorithm(algorithm: Algorithm | type[Algorithm], *, replace: bool 
     name = instance.name
     if not isinstance(name, str) or not _NAME.match(name):
         raise ValueError(f"register_algorithm: {type(instance).__name__}.name must be an identifier, got {name!r}")
-    if not dataclasses.is_dataclass(instance.hparams):
-        raise TypeError(f"register_algorithm: {name!r}: hparams must be a dataclass, got {instance.hparams!r}")
-    clash = sorted(RESERVED_KEYS & {f.name for f in dataclasses.fields(instance.hparams)})
+    settings = instance.settings
+    if not (isinstance(settings, type) and issubclass(settings, Settings) and dataclasses.is_dataclass(settings)):
+        raise TypeError(
+            f"register_algorithm: {name!r}: settings must be a dataclass deriving from "
+            f"lightning_muon.algorithms.Settings, got {settings!r}"
+        )
+    clash = sorted(RESERVED_KEYS & set(settings.field_names()))
     if clash:
-        raise ValueError(f"register_algorithm: {name!r}: hyperparameters {clash} are reserved group keys")
+        raise ValueError(f"register_algorithm: {name!r}: settings {clash} are reserved group keys")
     if type(instance).step_group is Algorithm.step_group:
         raise ValueError(f"register_algorithm: {name!r} does not define step_group")
     if name in _REGISTRY and not replace:

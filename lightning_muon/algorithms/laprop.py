@@ -1,7 +1,7 @@
 """``"laprop"`` groups: LaProp (momentum of the RMS-normalized gradient) for the parameters Muon does not orthogonalize.
 
 The hyperparameters and the step are NVIDIA Emerging-Optimizers' ``LaProp`` (0.3.0): its
-constructor's names and defaults, its bias correction, its four weight decay methods and
+defaults, its bias correction, its four weight decay methods and
 its optional Frobenius-norm preservation. The rule is on ``LaProp``; ``laprop_`` is the
 math over lists of tensors, ``LaProp.step_group`` collects them and the state.
 
@@ -11,73 +11,47 @@ State per parameter: ``step`` (a 0-D tensor), ``exp_avg``, ``exp_avg_sq`` (store
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
-from lightning_muon.algorithms.adamw import Betas, momentum_readout
+from lightning_muon.algorithms.adamw import adam_moments, momentum_readout
 from lightning_muon.algorithms.base import Algorithm, StepContext, register_algorithm
-from lightning_muon.algorithms.checks import check_betas, check_bool, check_choice, check_number, normalize
-from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS, state_dtype
+from lightning_muon.algorithms.families import AdamLikeSettings, WeightDecayMethod
+from lightning_muon.algorithms.settings import setting
+from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS
+from lightning_muon.functional import decay_weights_
 
 __all__ = [
     "LAPROP",
-    "WEIGHT_DECAY_METHODS",
     "LaProp",
-    "LaPropHparams",
-    "WeightDecayMethod",
-    "check_laprop",
+    "LaPropSettings",
     "laprop_",
 ]
 
-WEIGHT_DECAY_METHODS = ("decoupled", "independent", "l2", "palm")
-WeightDecayMethod = Literal["decoupled", "independent", "l2", "palm"]
 # Parameter elements widened to float32 at once when the parameters or the moments are narrower:
 # 64 MiB per widened list, so a step over a large bf16 embedding holds a bounded extra copy.
 _WIDEN_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True, kw_only=True)
-class LaPropHparams:
-    """LaProp groups, with Emerging-Optimizers' ``LaProp`` names and defaults."""
+class LaPropSettings(AdamLikeSettings, algorithm="laprop", defaults={"lr": 1e-3, "betas": (0.9, 0.999)}):
+    """LaProp groups, Emerging-Optimizers' defaults."""
 
-    lr: float = 1e-3
-    """Learning rate (peak); follows the same schedule as Muon's."""
-    betas: Betas = (0.9, 0.999)
-    """(beta1, beta2): the EMA rates of the normalized gradient and of the squared gradient, each in [0, 1)."""
-    eps: float = 1e-8
-    """Added to the bias-corrected RMS before the division; also floors the norm ``frob_normalize`` divides by; >= 0."""
-    weight_decay: float = 0.0
-    """Weight decay coefficient; how it applies is ``weight_decay_method``."""
+    eps: float = setting(1e-8, low=0.0)
+    """Added to the root of the second moment; >= 0 (Emerging-Optimizers allows 0, unlike Adam's)."""
     correct_bias: bool = True
-    """Divide both EMAs by ``1 - beta ** step`` (Adam's bias correction); False uses them as they are."""
+    """Divide both EMAs by 1 - beta ** step (Adam's bias correction); False uses them as they are."""
     frob_normalize: bool = False
-    """After each step, scale each parameter back to the Frobenius norm it had before; meant for ``weight_decay=0``."""
+    """After each step, scale each parameter back to the Frobenius norm it had before; meant for weight_decay=0."""
     weight_decay_method: WeightDecayMethod = "decoupled"
-    """"decoupled" ``W (1 - lr wd)``, "independent" ``W (1 - wd)``, "l2" ``g + wd W``, "palm" ``W (1 - lr^2 wd)``."""
+    """"decoupled" W (1 - lr wd), "independent" W (1 - wd), "l2" g + wd W, "palm" W (1 - lr^2 wd)."""
 
-    prefix = "laprop_"  # not a field: the prefix of these knobs among Muon's keywords
-
-    def __post_init__(self) -> None:
-        normalize(self, check_laprop(dataclasses.asdict(self), "Muon()", self.prefix))
-
-
-def check_laprop(group: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-    """Check LaProp's hyperparameters in ``group``; returns the normalized values (``betas`` a tuple)."""
-    check_number(group["lr"], prefix + "lr", where, 0.0)
-    betas = check_betas(group["betas"], where, prefix)
-    check_number(group["eps"], prefix + "eps", where, 0.0)
-    check_number(group["weight_decay"], prefix + "weight_decay", where, 0.0)
-    for name in ("correct_bias", "frob_normalize"):
-        check_bool({prefix + name: group[name]}, prefix + name, where)
-    key = prefix + "weight_decay_method"
-    check_choice({key: group["weight_decay_method"]}, key, where, WEIGHT_DECAY_METHODS)
-    return {"betas": betas}
+    choices: ClassVar[dict[str, tuple]] = {"weight_decay_method": ("decoupled", "independent", "l2", "palm")}
 
 
 def laprop_(
@@ -120,14 +94,9 @@ def laprop_(
     torch._foreach_add_(steps, 1.0)
     counts = [s.item() for s in steps]  # a parameter that skipped steps has its own count
     pre_norms = [torch.linalg.vector_norm(p) for p in params] if frob_normalize else []
-    if weight_decay != 0.0:
-        if weight_decay_method == "l2":
-            grads = torch._foreach_add(grads, params, alpha=weight_decay)
-        else:
-            shrink = {"decoupled": lr * weight_decay, "independent": weight_decay, "palm": lr * lr * weight_decay}
-            # W + (-s) W, not W (1 - s): "palm"'s s = lr^2 wd is often below float32's spacing near 1
-            # (6e-8), where 1 - s rounds to 1 and the decay vanishes.
-            torch._foreach_add_(params, params, alpha=-shrink[weight_decay_method])
+    if weight_decay != 0.0 and weight_decay_method == "l2":
+        grads = torch._foreach_add(grads, params, alpha=weight_decay)
+    decay_weights_(params, lr, weight_decay, weight_decay_method, multiply_decoupled=False)
     bias1 = [1.0 - beta1**n if correct_bias else 1.0 for n in counts]
     bias2_sqrt = [math.sqrt(1.0 - beta2**n) if correct_bias else 1.0 for n in counts]
     # v <- beta2 v + (1 - beta2) g^2
@@ -184,34 +153,20 @@ class LaProp(Algorithm):
     """
 
     name = "laprop"
-    hparams = LaPropHparams
+    settings = LaPropSettings
     state_dtype_settings = frozenset(STATE_SETTINGS)
-
-    def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-        return check_laprop(values, where, prefix)
 
     def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
         momentum_readout(group)
 
     def step_group(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
         """Step ``params`` with ``grads``; of ``ctx`` only ``state`` and ``config`` (the state dtypes) are used."""
-        state = ctx.state
-        for p in params:
-            entry = state[p]
-            if "exp_avg" not in entry:
-                entry["step"] = torch.tensor(0.0)
-                for key, setting in (("exp_avg", "exp_avg_dtype"), ("exp_avg_sq", "exp_avg_sq_dtype")):
-                    dtype = state_dtype(ctx, setting, p)
-                    entry[key] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
-        entries = [state[p] for p in params]
         beta1, beta2 = group["betas"]
         momentum_readout(group)  # betas may have been changed since (a scheduler, a user)
         laprop_(
             params,
             grads,
-            [s["exp_avg"] for s in entries],
-            [s["exp_avg_sq"] for s in entries],
-            [s["step"] for s in entries],
+            *adam_moments(ctx, params),
             lr=group["lr"],
             beta1=beta1,
             beta2=beta2,

@@ -11,10 +11,11 @@ matrix ``W`` with gradient ``G``::
     O <- P Q^T                                     # U = P S Q^T
     W <- W - lr extra_scale_factor s O
 
-with ``s``, by ``scale_mode``: ``"nuclear_norm"`` ``||U||_* = sum_i S_i`` (PolarGrad's
-steepest descent in the spectral norm, which Emerging-Optimizers cites for it), or a Muon
-scale by the matrix's shape: ``"shape_scaling"`` ``sqrt(max(1, fan_out / fan_in))``,
-``"spectral"`` ``sqrt(max(fan_out, fan_in))``, ``"unit_rms_norm"`` ``sqrt(fan_out / fan_in)``.
+with ``s``, by ``adjust_lr`` (Emerging-Optimizers' ``scale_mode``): ``"nuclear_norm"``
+``||U||_* = sum_i S_i`` (PolarGrad's steepest descent in the spectral norm, which
+Emerging-Optimizers cites for it), or a Muon scale by the matrix's shape: ``"original"``
+``sqrt(max(1, fan_out / fan_in))``, ``"spectral"`` ``sqrt(max(fan_out, fan_in))``,
+``"spectral_norm"`` ``sqrt(fan_out / fan_in)``.
 
 The SVD runs on whole matrices in float32 at least (``PolarFactorSVD``, a
 ``newton_schulz.MatrixMap``): a sharding gathers each matrix to its owner as it does for
@@ -30,7 +31,8 @@ so a zero or low-rank momentum (a first step from a rank-one gradient) moves the
 arbitrary directions. ``PolarFactorSVD`` drops them, as Newton-Schulz maps small singular
 values to small ones. Full-rank updates are unaffected.
 
-The keys are ``MOP``'s constructor names and defaults (Emerging-Optimizers 0.3.0).
+The defaults are ``MOP``'s (Emerging-Optimizers 0.3.0); its constructor's names load through
+``aliases``.
 
 References:
     NVIDIA-NeMo Emerging-Optimizers 0.3.0, ``orthogonalized_optimizers/mop.py`` (``MOP``).
@@ -40,59 +42,39 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 
 from lightning_muon.algorithms.base import StepContext, register_algorithm
-from lightning_muon.algorithms.checks import check_choice, normalize
-from lightning_muon.algorithms.emerging import EmergingVariant, FP32MatmulPrec, WeightDecayMethod, check_emerging
+from lightning_muon.algorithms.emerging import EO_DEFAULTS, EmergingVariant
+from lightning_muon.algorithms.families import SHAPE_SCALES, OrthogonalizedSettings
 from lightning_muon.algorithms.muon import MuonRound
 from lightning_muon.algorithms.polargrad import scale_by_nuclear_norm
 from lightning_muon.newton_schulz import MatrixMap
 
-__all__ = ["MOP", "MOPHparams", "MOP_ALGORITHM", "POLAR_FACTOR_SVD", "SCALE_MODES", "PolarFactorSVD", "check_mop"]
-
-# Emerging-Optimizers' MOP scale modes: the nuclear norm, or its Muon's by shape (MuonScaleT).
-SCALE_MODES = ("nuclear_norm", "shape_scaling", "spectral", "unit_rms_norm")
-ScaleMode = Literal["nuclear_norm", "shape_scaling", "spectral", "unit_rms_norm"]
+__all__ = ["MOP", "MOPSettings", "MOP_ALGORITHM", "POLAR_FACTOR_SVD", "PolarFactorSVD"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class MOPHparams:
-    """MOP groups, with Emerging-Optimizers' ``MOP`` names and defaults."""
+class MOPSettings(
+    OrthogonalizedSettings,
+    algorithm="mop",
+    defaults={
+        **{k: v for k, v in EO_DEFAULTS.items() if not k.startswith("ns_")},
+        "weight_decay": 0.01,
+        "fp32_matmul_prec": "highest",
+        "adjust_lr": "nuclear_norm",
+    },
+):
+    """MOP groups, Emerging-Optimizers' defaults: ``adjust_lr`` also takes "nuclear_norm" (its ``scale_mode``)."""
 
-    lr: float = 3e-4
-    """Learning rate (peak, before the schedule)."""
-    momentum: float = 0.95
-    """EMA momentum ``mu`` in [0, 1): ``B <- mu B + (1 - mu) G``."""
-    weight_decay: float = 0.01
-    """Weight decay coefficient; how it applies is ``weight_decay_method``."""
-    nesterov: bool = False
-    """Take the polar factor of ``(1 - mu) G + mu B`` instead of ``B``."""
-    weight_decay_method: WeightDecayMethod = "decoupled"
-    """"decoupled" ``W (1 - lr wd)``, "independent" ``W (1 - wd)``, "l2" ``G + wd W``, "palm" ``W (1 - lr^2 wd)``."""
-    fp32_matmul_prec: FP32MatmulPrec = "highest"
-    """``torch.set_float32_matmul_precision`` around a CUDA group's step: "highest", "high" or "medium"."""
-    scale_mode: ScaleMode = "nuclear_norm"
-    """The scale: "nuclear_norm" (the momentum's), or by shape: "shape_scaling", "spectral", "unit_rms_norm"."""
-    extra_scale_factor: float = 1.0
-    """Multiplies the scaled update; > 0."""
-
-    prefix = "mop_"  # not a field: Muon's keywords and MuonConfig's fields are these, prefixed
-
-    def __post_init__(self) -> None:
-        normalize(self, check_mop(dataclasses.asdict(self), "Muon()", self.prefix))
-
-
-def check_mop(group: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-    """Check MOP's keys in ``group`` (the shared ones: ``check_emerging``); returns the normalized ones to store."""
-    out = check_emerging(group, where, prefix)
-    check_choice(group, "scale_mode", where, SCALE_MODES)
-    return out
+    choices: ClassVar[dict[str, tuple]] = {
+        **OrthogonalizedSettings.choices,
+        "adjust_lr": (*SHAPE_SCALES, "nuclear_norm"),
+    }
 
 
 class PolarFactorSVD(MatrixMap):
@@ -117,7 +99,7 @@ class MOP(EmergingVariant):
     """``"mop"``: ``W <- decay(W) - lr extra_scale_factor s polar(U)`` (module docstring)."""
 
     name = "mop"
-    hparams = MOPHparams
+    settings = MOPSettings
 
     def ns_options(self, group: dict) -> dict[str, Any]:
         # The map replaces Newton-Schulz, whose steps and coefficients it ignores; it reads the
@@ -126,19 +108,12 @@ class MOP(EmergingVariant):
         return {"ns_steps": 1, "ns_coefficients": "keller", "ns_dtype": "float64", "ns_method": POLAR_FACTOR_SVD}
 
     def keeps_updates(self, group: dict) -> bool:
-        return group["scale_mode"] == "nuclear_norm"  # <O, U> reads the updates after the SVD
-
-    def adjust_lr(self, group: dict) -> str:
-        mode = group["scale_mode"]
-        return "none" if mode == "nuclear_norm" else mode  # the by-shape modes are Muon's adjust_lr names
+        return group["adjust_lr"] == "nuclear_norm"  # <O, U> reads the updates after the SVD
 
     def normalize(self, ctx: StepContext, group: dict, rnd: MuonRound) -> list[list[Tensor]]:
-        if group["scale_mode"] != "nuclear_norm":
+        if group["adjust_lr"] != "nuclear_norm":
             return rnd.ortho
         return scale_by_nuclear_norm(ctx, group, rnd)
-
-    def scale(self, group: dict) -> float:
-        return group["extra_scale_factor"]
 
 
 MOP_ALGORITHM = register_algorithm(MOP())

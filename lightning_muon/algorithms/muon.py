@@ -33,16 +33,12 @@ from typing import Any, Literal
 import torch
 from torch import Tensor
 
-from lightning_muon.algorithms.base import Algorithm, HparamsSource, StepContext, register_algorithm
-from lightning_muon.algorithms.checks import HparamError, check_bool, check_choice, check_number, normalize
+from lightning_muon.algorithms.base import Algorithm, SettingsSource, StepContext, register_algorithm
+from lightning_muon.algorithms.checks import check_bool
+from lightning_muon.algorithms.families import NewtonSchulzSettings, matmul_precision_of, ns_dtype_for
+from lightning_muon.algorithms.settings import setting
 from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS, state_dtype
-from lightning_muon.distributed.tp_math import TP_MODES
 from lightning_muon.functional import (
-    ADJUST_LR_ALIASES,
-    ADJUST_LR_MODES,
-    MOMENTUM_FORMS,
-    SECOND_MOMENTS,
-    WEIGHT_DECAY_FORMS,
     adjust_lr_ratio,
     muon_apply_,
     muon_momentum_,
@@ -54,139 +50,46 @@ from lightning_muon.functional import (
     second_moment_shape,
 )
 from lightning_muon.layout import LAYOUT_KEYS, MatrixLayout, layout_of
-from lightning_muon.newton_schulz import (
-    check_ns_dtype,
-    check_ns_method,
-    donated_dtypes,
-    dtype_name,
-    resolve_coefficients,
-)
+from lightning_muon.newton_schulz import check_ns_dtype, donated_dtypes, matmul_precision
 from lightning_muon.step_memory import matrix_working_bytes, plan_rounds, step_memory_bytes
 
 __all__ = [
-    "AdjustLR",
-    "CoefficientName",
     "MUON",
     "MuonAlgorithm",
-    "MuonHparams",
     "MuonRound",
-    "NSDtype",
-    "check_muon",
+    "MuonSettings",
+    "check_layout",
     "check_muon_params",
     "resolve_split_parts",
 ]
 
-AdjustLR = Literal["original", "match_rms_adamw", "spectral", "spectral_norm", "none", "shape_scaling", "unit_rms_norm"]
-CoefficientName = Literal[
-    "polar_express", "polar_express_paper", "polar_express_megatron", "keller", "you", "cubic", "cans", "deepseekv4"
-]
-NSDtype = Literal["float32", "bfloat16", "float64", "float16", "fp32", "bf16"]
-
-# Options of a Muon group besides its hyperparameters: the layout of its tensors, and the
-# forms its second_moment names (1: "normuon" and "adamuon" meant today's "_rms" forms).
-MUON_LAYOUT = frozenset({*LAYOUT_KEYS, "split_parts", "second_moment_version"})
-SECOND_MOMENT_VERSION = 2
+# Options of a Muon group besides its settings: the layout of its tensors.
+MUON_LAYOUT = frozenset({*LAYOUT_KEYS, "split_parts"})
 
 
 @dataclass(frozen=True, kw_only=True)
-class MuonHparams:
-    """Muon groups: the update rule's knobs (``Muon``'s unprefixed keywords)."""
+class MuonSettings(NewtonSchulzSettings, algorithm="muon"):
+    """Muon groups (module docstring): the shared Newton-Schulz settings, and Muon's own momentum and second moment."""
 
-    lr: float = 0.02
-    """Muon learning rate (peak, before the schedule)."""
-    momentum: float = 0.95
-    """Muon momentum ``mu`` in [0, 1) (after any momentum warmup)."""
-    nesterov: bool = True
-    """Nesterov form of the momentum."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay, multiplied by the base lr."""
-    ns_steps: int = 5
-    """Newton-Schulz iterations."""
-    ns_coefficients: CoefficientName | list[tuple[float, float, float]] = "polar_express"
-    """A schedule name in ``COEFFICIENTS`` or a list of (a, b, c)."""
-    ns_dtype: NSDtype | None = None
-    """Newton-Schulz dtype: None (automatic: bf16 where its matmul is fast), "float32", "bfloat16", ..."""
-    adjust_lr: AdjustLR = "original"
-    """Update scale by shape: original, match_rms_adamw, spectral, spectral_norm, none (+ Megatron aliases)."""
-    extra_scale_factor: float = 1.0
-    """Multiplies the adjusted Muon lr; > 0."""
     momentum_form: Literal["ema", "sum"] = "ema"
-    """"ema" (B <- mu B + (1 - mu) G) or "sum" (B <- mu B + G)."""
+    """"ema" (B <- mu B + (1 - mu) G) or "sum" (B <- mu B + G; Moonlight, dion)."""
     second_moment: Literal["normuon", "adamuon", "namo", "normuon_rms", "adamuon_rms"] | None = None
     """None, or a second moment of the orthogonalized update: Emerging-Optimizers' "normuon" (per row or
     column, arXiv 2510.05491), "adamuon" (per element, arXiv 2507.11005) or "namo" (per matrix, arXiv
     2602.17080), or ours that keep plain Muon's RMS, "normuon_rms" (per output) and "adamuon_rms"."""
-    second_moment_beta2: float = 0.95
+    second_moment_beta2: float = setting(0.95, low=0.0, high=1.0, high_open=True)
     """Decay of the second moment, in [0, 1)."""
-    second_moment_eps: float = 1e-8
+    second_moment_eps: float = setting(1e-8, low=0.0, low_open=True)
     """Added to the root of the second moment; > 0."""
     sign_momentum: bool = False
     """Orthogonalize sign(momentum) (AdaMuon's sign-stabilized update)."""
-    weight_decay_form: Literal["decoupled", "cautious"] = "decoupled"
-    """"decoupled", or "cautious": decay only where the update and the weight agree in sign."""
-    ns_method: Literal["auto", "standard", "gram"] = "auto"
-    """Newton-Schulz iteration: "auto", "standard" or "gram" (Gram Newton-Schulz)."""
-    tp_mode: Literal["duplicated", "distributed", "blockwise"] = "duplicated"
-    """Matrices split by tensor parallelism (``MuonFSDPStrategy`` with ``tensor_parallel_size > 1``;
-    ignored elsewhere): "duplicated" (gathered whole in the group; exact), "distributed" (Gram
-    matrices all-reduced, no whole matrix; exact) or "blockwise" (each block alone; approximate)."""
-
-    prefix = ""  # not a field: the prefix of these knobs among Muon's keywords
-
-    def __post_init__(self) -> None:
-        normalize(self, check_muon(dataclasses.asdict(self), "Muon()", self.prefix))
 
 
-def check_muon(group: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-    """Check Muon's hyperparameters in ``group``; returns the normalized values to store.
-
-    ``ns_coefficients`` lists become lists of tuples and ``ns_dtype`` a plain name
-    (checkpoints, torch.save and distributed, store it as is). Raises ``HparamError``.
-    """
-    out: dict[str, Any] = {}
-
-    def number(name: str, low: float, high: float = float("inf"), low_open: bool = False, high_open: bool = False):
-        check_number(group[name], prefix + name, where, low, high, low_open, high_open)
-
-    number("lr", 0.0)
-    number("weight_decay", 0.0)
-    number("momentum", 0.0, 1.0, high_open=True)
-    check_bool(group, "nesterov", where)
-    steps = group["ns_steps"]
-    if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
-        raise HparamError(f"ns_steps must be a positive int, got {steps!r}", "ns_steps")
-    coefficients = group["ns_coefficients"]
-    try:
-        resolve_coefficients(coefficients, steps)
-    except ValueError as err:
-        raise HparamError(str(err), "ns_coefficients") from None
-    if not isinstance(coefficients, str):
-        out["ns_coefficients"] = [tuple(abc) for abc in coefficients]
-    try:
-        dtype = check_ns_dtype(group["ns_dtype"])
-    except ValueError as err:
-        raise HparamError(str(err), "ns_dtype") from None
-    out["ns_dtype"] = None if dtype is None else dtype_name(dtype)
-    mode = group["adjust_lr"]
-    if ADJUST_LR_ALIASES.get(mode, mode) not in ADJUST_LR_MODES:
-        modes = sorted(ADJUST_LR_MODES) + sorted(ADJUST_LR_ALIASES)
-        raise HparamError(f"{where}: adjust_lr must be one of {modes}, got {mode!r}", "adjust_lr")
-    number("extra_scale_factor", 0.0, low_open=True)
-    check_choice(group, "momentum_form", where, MOMENTUM_FORMS)
-    check_choice(group, "second_moment", where, (None, *SECOND_MOMENTS))
-    number("second_moment_beta2", 0.0, 1.0, high_open=True)
-    number("second_moment_eps", 0.0, low_open=True)
-    check_choice(group, "weight_decay_form", where, WEIGHT_DECAY_FORMS)
-    check_choice(group, "tp_mode", where, TP_MODES)
-    try:
-        check_ns_method(group["ns_method"])
-    except ValueError as err:
-        raise HparamError(f"{where}: {err}", "ns_method") from None
-    check_bool(group, "sign_momentum", where)
+def check_layout(group: dict[str, Any], where: str) -> None:
+    """The layout keys a group sets itself (``batched``, ``transposed``) are bools; the rest: ``check_muon_params``."""
     for key in ("batched", "transposed"):
         if key in group:
             check_bool(group, key, where)
-    return out
 
 
 def resolve_split_parts(group: dict[str, Any], params: list[Tensor], where: str) -> None:
@@ -275,29 +178,24 @@ class MuonAlgorithm(Algorithm):
     """
 
     name = "muon"
-    hparams = MuonHparams
+    settings = MuonSettings
     orthogonalizes = True
     per_matrix = True
     layout_options = MUON_LAYOUT
     state_dtype_settings = frozenset(STATE_SETTINGS)
 
-    def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-        return check_muon(values, where, prefix)
+    def check(self, values: dict[str, Any], where: str) -> dict[str, Any]:
+        check_layout(values, where)
+        return super().check(values, where)
 
-    def group_defaults(self, config: HparamsSource) -> dict[str, Any]:
+    def group_defaults(self, config: SettingsSource) -> dict[str, Any]:
         return {
-            **dataclasses.asdict(config.hparams_of("muon")),
+            **config.settings_of(self.name).asdict(),
             "split_sizes": None,
             "batched": False,
             "transposed": False,
             "blocks": None,
-            "second_moment_version": SECOND_MOMENT_VERSION,
         }
-
-    def upgrade_group(self, group: dict[str, Any]) -> None:
-        # Saved by a release before Emerging-Optimizers' forms took the names "normuon" and
-        # "adamuon": the group keeps its values and steps as it did (``second_moment_method``).
-        group.setdefault("second_moment_version", 1)
 
     def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
         resolve_split_parts(group, params, where)
@@ -310,24 +208,17 @@ class MuonAlgorithm(Algorithm):
         return {
             "ns_steps": group["ns_steps"],
             "ns_coefficients": group["ns_coefficients"],
-            "ns_dtype": group["ns_dtype"],
+            "ns_dtype": ns_dtype_for(group),
             "ns_method": group["ns_method"],
         }
 
     def momentum_options(self, group: dict) -> tuple[float, bool, str]:
         """``(momentum, nesterov, momentum_form)`` of this group."""
-        return group["momentum"], group["nesterov"], group["momentum_form"]
+        return group["momentum"], group["nesterov"], group.get("momentum_form", "ema")  # a variant's: EMA
 
     def second_moment_method(self, group: dict) -> str | None:
-        """The group's second moment (``SECOND_MOMENTS``), or None; its decay and eps: ``second_moment_options``.
-
-        A group saved before "normuon" and "adamuon" became Emerging-Optimizers' forms
-        (``second_moment_version`` 1) steps with the forms it was saved with, now "_rms".
-        """
-        method = group["second_moment"]
-        if method in ("normuon", "adamuon") and group.get("second_moment_version", SECOND_MOMENT_VERSION) < 2:
-            return method + "_rms"
-        return method
+        """The group's second moment (``SECOND_MOMENTS``), or None; its decay and eps: ``second_moment_options``."""
+        return group.get("second_moment")  # a variant without the setting has none
 
     def second_moment_options(self, group: dict) -> tuple[float, float]:
         """``(beta2, eps)`` of the group's second moment."""
@@ -335,7 +226,10 @@ class MuonAlgorithm(Algorithm):
 
     def update_scale(self, group: dict, fan_out: int, fan_in: int) -> float:
         """The factor on a ``fan_out x fan_in`` orthogonalized piece before the lr, as the update hooks see it."""
-        return adjust_lr_ratio(group["adjust_lr"], fan_out, fan_in, group["extra_scale_factor"])
+        adjust = group["adjust_lr"]
+        return adjust_lr_ratio(
+            "none" if adjust == "nuclear_norm" else adjust, fan_out, fan_in, group["extra_scale_factor"]
+        )
 
     def keeps_updates(self, group: dict) -> bool:
         """True when a stage after Newton-Schulz reads ``round.updates`` (no buffer donation then)."""
@@ -344,6 +238,11 @@ class MuonAlgorithm(Algorithm):
     # ------------------------------------------------------------------ the step
 
     def step_group(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
+        # fp32_matmul_prec: torch's float32 matmul precision for the step, on a GPU (a CPU's float32 is exact).
+        with matmul_precision(matmul_precision_of(group), params[0].device):
+            self._step_group(ctx, group, params, grads)
+
+    def _step_group(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
         state = ctx.state
         bufs = []
         for p in params:
@@ -354,7 +253,7 @@ class MuonAlgorithm(Algorithm):
             bufs.append(entry["momentum_buffer"])
         # In rounds that fit the step's memory cap (``step_memory``): each round makes its
         # updates, orthogonalizes them and updates its weights before the next one starts.
-        cap = step_memory_bytes(ctx.config.step_memory_mb, params[0].device)
+        cap = step_memory_bytes(ctx.config.state.step_memory_mb, params[0].device)
         sharding = ctx.sharding
         # Who orthogonalizes each parameter (None: this rank, every one it steps).
         owners = sharding.round_owners(group, params) if sharding is not None else None
@@ -437,7 +336,13 @@ class MuonAlgorithm(Algorithm):
     def momentum(
         self, ctx: StepContext, group: dict, rnd: MuonRound, out_dtypes: list[torch.dtype] | None = None
     ) -> list[Tensor]:
-        """The updates Newton-Schulz is fed, from the gradients; the momentum buffers advance in place."""
+        """The updates Newton-Schulz is fed, from the gradients; the momentum buffers advance in place.
+
+        ``weight_decay_method="l2"``: the decay joins the gradient the momentum sees, ``G + wd W`` (a copy:
+        the user's ``.grad`` stays what backward made).
+        """
+        if group["weight_decay_method"] == "l2" and group["weight_decay"] != 0.0:
+            rnd.grads = torch._foreach_add(rnd.grads, rnd.params, alpha=group["weight_decay"])
         momentum, nesterov, form = self.momentum_options(group)
         updates = muon_momentum_(rnd.grads, rnd.bufs, momentum, nesterov, form, out_dtypes=out_dtypes)
         if group.get("sign_momentum"):
@@ -499,7 +404,7 @@ class MuonAlgorithm(Algorithm):
     def normalize(self, ctx: StepContext, group: dict, rnd: MuonRound) -> list[list[Tensor]]:
         """NorMuon / AdaMuon / NAMO normalization of ``rnd.ortho``; the buffer lives in ``state[p]["second_moment"]``.
 
-        It is stored in ``ctx.config.exp_avg_sq_dtype`` (``state_dtypes``) and computed in
+        It is stored in ``ctx.config.state.exp_avg_sq_dtype`` (``state_dtypes``) and computed in
         float32 at least.
         """
         method = self.second_moment_method(group)
@@ -529,15 +434,20 @@ class MuonAlgorithm(Algorithm):
 
     def apply_update(self, ctx: StepContext, group: dict, rnd: MuonRound) -> None:
         """The weight update from the orthogonalized pieces: decay, then ``lr * adjust(shape) * O``."""
+        self.apply(rnd.params, rnd.ortho, group)
+
+    def apply(self, params: list[Tensor], ortho: list[list[Tensor]], group: dict, extra: float = 1.0) -> None:
+        """``W <- decay(W) - lr adjust(fan_out, fan_in) extra_scale_factor extra O`` (``functional.muon_apply_``)."""
+        adjust = group["adjust_lr"]
         muon_apply_(
-            rnd.params,
-            rnd.ortho,
+            params,
+            ortho,
             layout=layout_of(group),
             lr=group["lr"],
             weight_decay=group["weight_decay"],
-            adjust_lr=group["adjust_lr"],
-            extra_scale_factor=group["extra_scale_factor"],
-            weight_decay_form=group["weight_decay_form"],
+            adjust_lr="none" if adjust == "nuclear_norm" else adjust,  # MOP's: applied in its normalize
+            extra_scale_factor=group["extra_scale_factor"] * extra,
+            weight_decay_method=group["weight_decay_method"],
         )
 
     def after_update(self, ctx: StepContext, group: dict, rnd: MuonRound) -> None:

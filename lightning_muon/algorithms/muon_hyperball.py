@@ -36,65 +36,41 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
 import math
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_muon.algorithms.base import HparamsSource, StepContext, register_algorithm
-from lightning_muon.algorithms.checks import HparamError, check_number, normalize
-from lightning_muon.algorithms.muon import MUON, MuonAlgorithm, MuonRound
+from lightning_muon.algorithms.base import StepContext, register_algorithm
+from lightning_muon.algorithms.muon import MuonAlgorithm, MuonRound, MuonSettings
+from lightning_muon.algorithms.settings import setting
 from lightning_muon.algorithms.state_dtypes import MAIN_PARAM
 from lightning_muon.layout import MatrixLayout, layout_of
 
-__all__ = ["HyperballHparams", "MuonHyperball", "check_hyperball"]
+__all__ = ["MuonHyperball", "MuonHyperballSettings"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class HyperballHparams:
-    """MuonHyperball's own group keys; its other knobs are Muon's (``Muon``'s unprefixed keywords)."""
+class MuonHyperballSettings(MuonSettings, algorithm="muon_hyperball"):
+    """MuonHyperball groups: Muon's settings and the sphere's; the decay is decoupled (it decays before it
+    measures the radius)."""
 
-    hyperball_radius: float | None = None
+    choices: ClassVar[dict[str, tuple]] = {**MuonSettings.choices, "weight_decay_method": ("decoupled",)}
+
+    hyperball_radius: float | None = setting(None, low=0.0, low_open=True)
     """Fixed Frobenius norm of every parameter (rescaled to it before its first step); None: each keeps its own."""
-    hyperball_eps: float = 1e-8
+    hyperball_eps: float = setting(1e-8, low=0.0, low_open=True)
     """Floor of the norms the update and the weight are divided by; > 0."""
-
-    def __post_init__(self) -> None:
-        normalize(self, check_hyperball(dataclasses.asdict(self), "Muon()"))
-
-
-def check_hyperball(group: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-    """Check MuonHyperball's own keys in ``group``; returns them to store."""
-    if group["hyperball_radius"] is not None:
-        check_number(group["hyperball_radius"], prefix + "hyperball_radius", where, 0.0, low_open=True)
-    check_number(group["hyperball_eps"], prefix + "hyperball_eps", where, 0.0, low_open=True)
-    if group.get("weight_decay_form", "decoupled") != "decoupled":
-        detail = (
-            "muon_hyperball decays before it measures the radius, so weight_decay_form must be 'decoupled', "
-            f"got {group['weight_decay_form']!r}"
-        )
-        raise HparamError(f"{where}: {detail}", "weight_decay_form", detail)
-    return {}
 
 
 class MuonHyperball(MuonAlgorithm):
     """``"muon_hyperball"``: Muon's update, normalized to the weight's radius, and the weight kept on it."""
 
     name = "muon_hyperball"
-    hparams = HyperballHparams
-
-    def option_names(self) -> frozenset[str]:
-        return MUON.option_names() | super().option_names()
-
-    def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-        return {**super().check(values, where, prefix), **check_hyperball(values, where, prefix)}
-
-    def group_defaults(self, config: HparamsSource) -> dict[str, Any]:
-        return {**super().group_defaults(config), **dataclasses.asdict(config.hparams_of(self.name))}
+    settings = MuonHyperballSettings
 
     @torch.no_grad()
     def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:

@@ -8,7 +8,7 @@ is the nuclear norm ``||U||_* = tr(H) = <P, U>``; Muon and Scion take only the d
     W <- decay(W)                                  # weight_decay_method (EmergingVariant)
     B <- mu B + (1 - mu) G
     U <- (1 - mu) G + mu B   if nesterov else B
-    O <- NS(U)                                     # Newton-Schulz: coefficient_type, num_ns_steps
+    O <- NS(U)                                     # Newton-Schulz: ns_coefficients, ns_steps
     W <- W - lr extra_scale_factor <O, U> O        # <O, U> = sum_ij O_ij U_ij
 
 Newton-Schulz's ``O`` has singular values near, not at, 1, so ``<O, U>`` stands for the
@@ -20,8 +20,8 @@ parameters of ``P`` pieces), whose ranks hold row blocks; an expert stack's rank
 experts under every sharding, so its sums need no collective. The sums are taken in float32
 at least; the scaled ``O`` is kept in float32 at least.
 
-The keys are ``PolarGrad``'s constructor names and defaults (Emerging-Optimizers 0.3.0),
-plus ``ns_dtype`` (``EmergingVariant``).
+The defaults are ``PolarGrad``'s (Emerging-Optimizers 0.3.0); its constructor's names load
+through ``aliases``.
 
 References:
     Lau, Long, Su, "PolarGrad: A Class of Matrix-Gradient Optimizers from a Unifying
@@ -31,63 +31,28 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_muon.algorithms.base import StepContext, register_algorithm
-from lightning_muon.algorithms.checks import normalize
-from lightning_muon.algorithms.emerging import (
-    CoefficientType,
-    EmergingVariant,
-    FP32MatmulPrec,
-    WeightDecayMethod,
-    check_emerging,
-)
-from lightning_muon.algorithms.muon import MuonRound, NSDtype
+from lightning_muon.algorithms.emerging import EO_DEFAULTS, EmergingVariant
+from lightning_muon.algorithms.families import NewtonSchulzSettings
+from lightning_muon.algorithms.muon import MuonRound
 from lightning_muon.layout import MatrixLayout, layout_of
 
-__all__ = ["POLARGRAD", "PolarGrad", "PolarGradHparams", "check_polargrad", "scale_by_nuclear_norm"]
+__all__ = ["POLARGRAD", "PolarGrad", "PolarGradSettings", "scale_by_nuclear_norm"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class PolarGradHparams:
-    """PolarGrad groups, with Emerging-Optimizers' ``PolarGrad`` names and defaults."""
-
-    lr: float = 3e-4
-    """Learning rate (peak, before the schedule)."""
-    momentum: float = 0.95
-    """EMA momentum ``mu`` in [0, 1): ``B <- mu B + (1 - mu) G``."""
-    weight_decay: float = 0.01
-    """Weight decay coefficient; how it applies is ``weight_decay_method``."""
-    nesterov: bool = False
-    """Orthogonalize ``(1 - mu) G + mu B`` instead of ``B``."""
-    weight_decay_method: WeightDecayMethod = "decoupled"
-    """"decoupled" ``W (1 - lr wd)``, "independent" ``W (1 - wd)``, "l2" ``G + wd W``, "palm" ``W (1 - lr^2 wd)``."""
-    fp32_matmul_prec: FP32MatmulPrec = "highest"
-    """``torch.set_float32_matmul_precision`` around a CUDA group's step: "highest", "high" or "medium"."""
-    coefficient_type: CoefficientType = "quintic"
-    """Newton-Schulz coefficients by Emerging-Optimizers' name: "simple", "quintic", "polar_express", "aol", ..."""
-    num_ns_steps: int = 5
-    """Newton-Schulz iterations; >= 1."""
-    extra_scale_factor: float = 1.0
-    """Multiplies the update ``<O, U> O``; > 0."""
-    ns_dtype: NSDtype | None = None
-    """Newton-Schulz dtype: None (automatic: bf16 where its matmul is fast), "float32", "bfloat16", ..."""
-
-    prefix = "polargrad_"  # not a field: Muon's keywords and MuonConfig's fields are these, prefixed
-
-    def __post_init__(self) -> None:
-        normalize(self, check_polargrad(dataclasses.asdict(self), "Muon()", self.prefix))
-
-
-def check_polargrad(group: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-    """Check PolarGrad's keys in ``group`` (all shared: ``check_emerging``); returns the normalized ones to store."""
-    return check_emerging(group, where, prefix)
+class PolarGradSettings(
+    NewtonSchulzSettings,
+    algorithm="polargrad",
+    defaults={**EO_DEFAULTS, "weight_decay": 0.01, "fp32_matmul_prec": "highest"},
+):
+    """PolarGrad groups, Emerging-Optimizers' defaults: the orthogonalized update scaled by its nuclear norm."""
 
 
 def scale_by_nuclear_norm(ctx: StepContext, group: dict, rnd: MuonRound) -> list[list[Tensor]]:
@@ -138,16 +103,13 @@ class PolarGrad(EmergingVariant):
     """``"polargrad"``: ``W <- decay(W) - lr extra_scale_factor <O, U> O`` (module docstring)."""
 
     name = "polargrad"
-    hparams = PolarGradHparams
+    settings = PolarGradSettings
 
     def keeps_updates(self, group: dict) -> bool:
         return True  # <O, U> reads the updates after Newton-Schulz
 
     def normalize(self, ctx: StepContext, group: dict, rnd: MuonRound) -> list[list[Tensor]]:
         return scale_by_nuclear_norm(ctx, group, rnd)
-
-    def scale(self, group: dict) -> float:
-        return group["extra_scale_factor"]  # times the nuclear norm, taken in ``normalize``
 
 
 POLARGRAD = register_algorithm(PolarGrad())

@@ -8,55 +8,25 @@ that make it REKLS (``use_eigh=True``, ``use_kl_shampoo=True``); the step and th
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
-from lightning_muon.algorithms.adamw import Betas
 from lightning_muon.algorithms.base import register_algorithm
-from lightning_muon.algorithms.checks import normalize
-from lightning_muon.algorithms.soap import SOAP, SOAPHparams, check_soap
-from lightning_muon.soap_math import WeightDecayMethod
+from lightning_muon.algorithms.soap import SOAP, ShampooSettings, SOAPSettings
 
-__all__ = ["REKLS", "REKLSHparams", "REKLS_ALGORITHM", "check_rekls"]
+__all__ = ["REKLS", "REKLSSettings", "REKLS_ALGORITHM"]
 
-# SOAP's settings that REKLS does not take as hyperparameters: its defaults, the two REKLS flags set.
+# SOAP's settings that REKLS does not take: their defaults, the two REKLS flags set.
 _FIXED = {
     name: value
-    for name, value in dataclasses.asdict(SOAPHparams(use_eigh=True, use_kl_shampoo=True)).items()
-    if name not in {"lr", "betas", "shampoo_beta", "eps", "weight_decay", "weight_decay_method"}
+    for name, value in SOAPSettings(use_eigh=True, use_kl_shampoo=True).asdict().items()
+    if name not in ShampooSettings.field_names()
 }
 
 
 @dataclass(frozen=True, kw_only=True)
-class REKLSHparams:
-    """REKLS groups, with Emerging-Optimizers' ``REKLS`` names and defaults (``rekls_*`` keywords)."""
-
-    lr: float = 3e-3
-    """Learning rate (peak); follows the same schedule as Muon's. Emerging-Optimizers has no
-    default; 3e-3 is SOAP's here (``SOAPHparams.lr``)."""
-    betas: Betas = (0.9, 0.95)
-    """(beta1, beta2) of the inner Adam, each in [0, 1)."""
-    shampoo_beta: float = 0.95
-    """EMA rate of the Kronecker factors, in [0, 1)."""
-    eps: float = 1e-8
-    """Added to the inner Adam's root of the second moment, and the floor under the factors'
-    eigenvalues that KL-Shampoo inverts; > 0."""
-    weight_decay: float = 0.01
-    """Weight decay coefficient; how it applies is ``weight_decay_method``."""
-    weight_decay_method: WeightDecayMethod = "decoupled"
-    """"decoupled" ``W (1 - lr wd)``, "independent" ``W (1 - wd)``, "l2" ``g + wd W`` (the inner
-    Adam's gradient), "palm" ``W (1 - lr^2 wd)``."""
-
-    prefix = "rekls_"  # not a field: the prefix of these knobs among Muon's keywords
-
-    def __post_init__(self) -> None:
-        normalize(self, check_rekls(dataclasses.asdict(self), "Muon()", self.prefix))
-
-
-def check_rekls(group: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-    """Check REKLS's hyperparameters in ``group``; returns the normalized values (``betas`` a tuple)."""
-    return check_soap({**group, **_FIXED}, where, prefix)
+class REKLSSettings(ShampooSettings, algorithm="rekls"):
+    """REKLS groups, Emerging-Optimizers' defaults: SOAP's, its bases by eigh every step."""
 
 
 class REKLS(SOAP):
@@ -80,13 +50,10 @@ class REKLS(SOAP):
     """
 
     name = "rekls"
-    hparams = REKLSHparams
+    settings = REKLSSettings
 
-    def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-        return check_rekls(values, where, prefix)
-
-    def settings(self, group: dict[str, Any]) -> dict[str, Any]:
-        return super().settings({**group, **_FIXED})  # a stray use_eigh key changes nothing
+    def update_options(self, group: dict[str, Any]) -> dict[str, Any]:
+        return super().update_options({**group, **_FIXED})  # a stray use_eigh key changes nothing
 
 
 REKLS_ALGORITHM = register_algorithm(REKLS())

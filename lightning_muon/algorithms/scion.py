@@ -7,7 +7,7 @@ sqrt(fan_in / fan_out) ||W||_2``. Its linear minimization oracle over that ball,
 is Muon's orthogonalized update with a fixed scale. For a matrix ``W`` with gradient ``G``::
 
     B <- mu B + (1 - mu) G                         # EMA momentum, never Nesterov
-    O <- NS(B)                                     # Newton-Schulz: coefficient_type, num_ns_steps
+    O <- NS(B)                                     # Newton-Schulz: ns_coefficients, ns_steps
     W <- (1 - lr) W - lr rho sqrt(fan_out / fan_in) O
 
 that is ``W <- (1 - lr) W + lr lmo(B)``: a convex combination of the weight and a point on
@@ -18,10 +18,10 @@ to Newton-Schulz's spread of singular values around 1). The shrink
 (``weight_decay=1``, ``"decoupled"``, ``nesterov=False``). ``rho`` is ``spectral_radius``;
 ``fan_out / fan_in`` is each matrix's own (each piece of a split tensor, each matrix of an
 expert stack; a ``transposed`` one by its stored ``(fan_in, fan_out)``), Emerging-Optimizers'
-``unit_rms_norm`` scale.
+``unit_rms_norm`` scale (our ``adjust_lr="spectral_norm"``).
 
-The keys are ``Scion``'s constructor names and defaults (Emerging-Optimizers 0.3.0), plus
-``ns_dtype`` (``EmergingVariant``).
+The defaults are ``Scion``'s (Emerging-Optimizers 0.3.0); its constructor's names load through
+``aliases``.
 
 References:
     Pethick et al., "Training Deep Learning Models with Norm-Constrained LMOs", arXiv 2502.07529, 2025.
@@ -30,18 +30,18 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
 from typing import Any
 
 from torch import Tensor
 
 from lightning_muon.algorithms.base import register_algorithm
-from lightning_muon.algorithms.checks import HparamError, check_number, normalize
-from lightning_muon.algorithms.emerging import CoefficientType, EmergingVariant, FP32MatmulPrec, check_emerging
-from lightning_muon.algorithms.muon import NSDtype
+from lightning_muon.algorithms.checks import HparamError
+from lightning_muon.algorithms.emerging import EO_DEFAULTS, EmergingVariant
+from lightning_muon.algorithms.families import NewtonSchulzSettings
+from lightning_muon.algorithms.settings import setting
 
-__all__ = ["FIXED", "SCION", "Scion", "ScionHparams", "check_scion"]
+__all__ = ["FIXED", "SCION", "Scion", "ScionSettings"]
 
 # What ``Scion``'s constructor sets itself (it takes no such keywords): a group that sets one
 # otherwise is refused rather than silently overridden.
@@ -49,42 +49,27 @@ FIXED = {"weight_decay": 1.0, "weight_decay_method": "decoupled", "nesterov": Fa
 
 
 @dataclass(frozen=True, kw_only=True)
-class ScionHparams:
-    """Scion groups, with Emerging-Optimizers' ``Scion`` names and defaults (weight decay 1 and no Nesterov, fixed)."""
+class ScionSettings(
+    NewtonSchulzSettings, algorithm="scion", defaults={**EO_DEFAULTS, **FIXED, "adjust_lr": "spectral_norm"}
+):
+    """Scion groups, Emerging-Optimizers' defaults: its Frank-Wolfe step fixes the decay at 1 and the momentum
+    without Nesterov (a group that sets them otherwise is refused)."""
 
-    lr: float = 3e-4
-    """Step size of the conditional-gradient step (peak, before the schedule); the weight also shrinks by ``1 - lr``."""
-    momentum: float = 0.95
-    """EMA momentum ``mu`` in [0, 1): ``B <- mu B + (1 - mu) G``."""
-    fp32_matmul_prec: FP32MatmulPrec = "medium"
-    """``torch.set_float32_matmul_precision`` around a CUDA group's step: "highest", "high" or "medium"."""
-    coefficient_type: CoefficientType = "quintic"
-    """Newton-Schulz coefficients by Emerging-Optimizers' name: "simple", "quintic", "polar_express", "aol", ..."""
-    num_ns_steps: int = 5
-    """Newton-Schulz iterations; >= 1."""
-    spectral_radius: float = 1.0
-    """Radius ``rho`` of the RMS-to-RMS spectral-norm ball the update's vertex lies on; > 0."""
-    ns_dtype: NSDtype | None = None
-    """Newton-Schulz dtype: None (automatic: bf16 where its matmul is fast), "float32", "bfloat16", ..."""
+    spectral_radius: float = setting(1.0, low=0.0, low_open=True)
+    """Radius rho of the RMS-to-RMS spectral-norm ball the update's vertex lies on; > 0."""
 
-    prefix = "scion_"  # not a field: Muon's keywords and MuonConfig's fields are these, prefixed
-
-    def __post_init__(self) -> None:
-        normalize(self, check_scion(dataclasses.asdict(self), "Muon()", self.prefix))
-
-
-def check_scion(group: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-    """Check Scion's keys in ``group`` (the shared ones: ``check_emerging``); returns the normalized ones to store."""
-    out = check_emerging(group, where, prefix)
-    check_number(group["spectral_radius"], prefix + "spectral_radius", where, 0.0, low_open=True)
-    return out
+    def normalize(self) -> None:
+        super().normalize()
+        for key, fixed in FIXED.items():
+            if getattr(self, key) != fixed:
+                raise self.error(key, f"is fixed at {fixed!r} by scion's Frank-Wolfe step, got {getattr(self, key)!r}")
 
 
 class Scion(EmergingVariant):
     """``"scion"``: ``W <- (1 - lr) W - lr rho sqrt(fan_out / fan_in) NS(B)`` (module docstring)."""
 
     name = "scion"
-    hparams = ScionHparams
+    settings = ScionSettings
 
     def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
         for key, fixed in FIXED.items():
@@ -95,16 +80,6 @@ class Scion(EmergingVariant):
                 )
                 raise HparamError(f"{where}: {detail}", key, detail)
         super().init_group(group, params, where)
-
-    def momentum_options(self, group: dict) -> tuple[float, bool, str]:
-        return group["momentum"], False, "ema"  # Scion's momentum is never Nesterov
-
-    def weight_decay(self, group: dict) -> tuple[float, str]:
-        # The Frank-Wolfe step's (1 - lr) W: Emerging-Optimizers' decoupled decay fixed at 1.
-        return 1.0, "decoupled"
-
-    def adjust_lr(self, group: dict) -> str:
-        return "unit_rms_norm"  # sqrt(fan_out / fan_in) per matrix
 
     def scale(self, group: dict) -> float:
         return group["spectral_radius"]

@@ -9,9 +9,10 @@ map of the weight. For an ``M x N`` matrix ``W`` with gradient ``G``::
     W <- W - lr s(out, in) extra_scale_factor msign(U)
     W <- SK(W)
 
-with ``s`` by ``scale_mode``: ``"shape_scaling"`` ``sqrt(max(1, out / in))``, ``"spectral"``
-``sqrt(max(out, in))``, ``"unit_rms_norm"`` ``sqrt(out / in)``. ``SK`` (``sinkhorn_knopp``)
-makes the matrix positive and then scales its columns and rows in turn::
+with ``s`` by ``adjust_lr`` (Emerging-Optimizers' ``scale_mode``): ``"original"``
+``sqrt(max(1, out / in))``, ``"spectral"`` ``sqrt(max(out, in))``, ``"spectral_norm"``
+``sqrt(out / in)``. ``SK`` (``sinkhorn_knopp``) makes the matrix positive and then scales its
+columns and rows in turn::
 
     P <- exp(W - max W)
     num_iters times:
@@ -43,103 +44,46 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any, Literal
+from typing import Any
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_muon.algorithms.base import StepContext, register_algorithm
-from lightning_muon.algorithms.checks import check_bool, check_choice, check_int, check_number, normalize
-from lightning_muon.algorithms.emerging import (
-    CoefficientType,
-    EmergingVariant,
-    FP32MatmulPrec,
-    WeightDecayMethod,
-    check_emerging,
-)
-from lightning_muon.algorithms.muon import MuonRound, NSDtype
+from lightning_muon.algorithms.emerging import EO_DEFAULTS, EmergingVariant
+from lightning_muon.algorithms.families import NewtonSchulzSettings
+from lightning_muon.algorithms.muon import MuonRound
+from lightning_muon.algorithms.settings import setting
 from lightning_muon.newton_schulz import MatrixMap
 
 __all__ = [
-    "SCALE_MODES",
     "SINKHORN_MUON",
-    "ScaleMode",
-    "SinkhornHparams",
     "SinkhornMap",
     "SinkhornMuon",
-    "check_sinkhorn",
+    "SinkhornMuonSettings",
     "sinkhorn_knopp",
     "sinkhorn_targets",
 ]
 
-# Emerging-Optimizers' ``Muon`` scale modes (``get_muon_scale_factor``); ``functional`` knows
-# them as ``adjust_lr`` aliases of the same formulas.
-SCALE_MODES = ("shape_scaling", "spectral", "unit_rms_norm")
-ScaleMode = Literal["shape_scaling", "spectral", "unit_rms_norm"]
-
 
 @dataclass(frozen=True, kw_only=True)
-class SinkhornHparams:
-    """Sinkhorn-Muon groups: Emerging-Optimizers' ``Muon`` and ``SinkhornMuon`` names and defaults, and ``ns_dtype``."""
+class SinkhornMuonSettings(
+    NewtonSchulzSettings,
+    algorithm="sinkhorn_muon",
+    defaults={**EO_DEFAULTS, "weight_decay": 0.01, "adjust_lr": "spectral"},
+):
+    """Sinkhorn-Muon groups: Emerging-Optimizers' ``Muon`` and ``SinkhornMuon`` defaults, and the map's own settings."""
 
-    lr: float = 3e-4
-    """Learning rate (peak, before the schedule)."""
-    momentum: float = 0.95
-    """EMA momentum ``mu`` in [0, 1): ``B <- mu B + (1 - mu) G``."""
-    weight_decay: float = 0.01
-    """Weight decay coefficient; how it applies is ``weight_decay_method``."""
-    nesterov: bool = False
-    """Orthogonalize ``lerp(G, B, mu)`` instead of ``B``."""
-    weight_decay_method: WeightDecayMethod = "decoupled"
-    """"decoupled" ``W (1 - lr wd)``, "independent" ``W (1 - wd)``, "l2" ``G + wd W``, "palm" ``W (1 - lr^2 wd)``."""
-    fp32_matmul_prec: FP32MatmulPrec = "medium"
-    """``torch.set_float32_matmul_precision`` around the group's step on CUDA: "highest", "high" or "medium"."""
-    coefficient_type: CoefficientType = "quintic"
-    """Newton-Schulz coefficients: "simple", "quintic", "polar_express", "aol", "cans", "deepseekv4"."""
-    num_ns_steps: int = 5
-    """Newton-Schulz iterations; >= 1."""
-    scale_mode: ScaleMode = "spectral"
-    """Update scale by shape: "shape_scaling" sqrt(max(1, out/in)), "spectral" sqrt(max(out, in)), "unit_rms_norm"
-    sqrt(out/in)."""
-    extra_scale_factor: float = 1.0
-    """Multiplies the shape scale; > 0 (0.2 with "spectral" matches AdamW's update RMS, arXiv 2502.16982)."""
     use_syrk: bool = False
     """Emerging-Optimizers' Triton SYRK kernel switch, accepted for its signature; no effect here."""
-    num_iters: int = 20
-    """Column-then-row normalizations of the Sinkhorn-Knopp map after each step; >= 1."""
-    eps: float = 1e-8
+    num_iters: int = setting(20, low=1, integer=True)
+    """Column-then-row normalizations of the Sinkhorn-Knopp map after each step."""
+    eps: float = setting(1e-8, low=0.0, low_open=True)
     """Floor of the column and row sums the map divides by; > 0."""
-    doubly_stochastic_tolerance: float = 0.1
+    doubly_stochastic_tolerance: float = setting(0.1, low=0.0, low_open=True)
     """Largest row or column sum deviation from its target a weight may start with; > 0."""
-    ns_dtype: NSDtype | None = None
-    """Newton-Schulz dtype: None (automatic: bf16 where its matmul is fast, float64 kept), "float32", ..."""
-
-    prefix = "sinkhorn_muon_"  # not a field: the prefix of these knobs among Muon's keywords
-
-    def __post_init__(self) -> None:
-        values = dataclasses.asdict(self)
-        normalize(
-            self, {**check_emerging(values, "Muon()", self.prefix), **check_sinkhorn(values, "Muon()", self.prefix)}
-        )
-
-
-def check_sinkhorn(group: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-    """Check Sinkhorn-Muon's own keys (those beside ``check_emerging``'s) that ``group`` has; returns none to store."""
-    if "scale_mode" in group:
-        key = prefix + "scale_mode"
-        check_choice({key: group["scale_mode"]}, key, where, SCALE_MODES)
-    if "use_syrk" in group:
-        key = prefix + "use_syrk"
-        check_bool({key: group["use_syrk"]}, key, where)
-    if "num_iters" in group:
-        check_int(group["num_iters"], prefix + "num_iters", where, 1)
-    for name in ("eps", "doubly_stochastic_tolerance"):
-        if name in group:
-            check_number(group[name], prefix + name, where, 0.0, low_open=True)
-    return {}
 
 
 def sinkhorn_targets(rows: int, cols: int) -> tuple[float, float]:
@@ -200,13 +144,7 @@ class SinkhornMuon(EmergingVariant):
     """``"sinkhorn_muon"``: Emerging-Optimizers' Muon step, then the weight mapped by ``sinkhorn_knopp``."""
 
     name = "sinkhorn_muon"
-    hparams = SinkhornHparams
-
-    def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-        # The keys as the group names them first: a bad value there names "eps", not "sinkhorn_muon_eps".
-        check_emerging(values, where, prefix)
-        check_sinkhorn(values, where, prefix)
-        return super().check(values, where, prefix)
+    settings = SinkhornMuonSettings
 
     @torch.no_grad()
     def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
@@ -237,13 +175,6 @@ class SinkhornMuon(EmergingVariant):
                     f"max column deviation {col_dev:.6g}. Apply the map first: with torch.no_grad(): "
                     "p.copy_(lightning_muon.algorithms.sinkhorn_muon.sinkhorn_knopp(p))"
                 )
-
-    def adjust_lr(self, group: dict) -> str:
-        """Emerging-Optimizers' ``get_muon_scale_factor(out, in, scale_mode)``: Muon's ``adjust_lr`` of that name."""
-        return group["scale_mode"]
-
-    def scale(self, group: dict) -> float:
-        return group["extra_scale_factor"]
 
     @torch.no_grad()
     def after_update(self, ctx: StepContext, group: dict, rnd: MuonRound) -> None:

@@ -15,29 +15,21 @@ exactly.
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
+from typing import Any, ClassVar
 
 import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_muon.algorithms.adamw import Betas, momentum_readout
+from lightning_muon.algorithms.adamw import momentum_readout
 from lightning_muon.algorithms.base import Algorithm, StepContext, register_algorithm
-from lightning_muon.algorithms.checks import check_betas, check_bool, check_choice, check_int, check_number, normalize
-from lightning_muon.soap_math import (
-    FP32_MATMUL_PRECISIONS,
-    SOAP_STATE_KEYS,
-    WEIGHT_DECAY_METHODS,
-    FP32MatmulPrec,
-    WeightDecayMethod,
-    decay_weight_,
-    init_soap_state,
-    soap_update,
-)
+from lightning_muon.algorithms.families import Betas, FP32MatmulPrec, MatrixSettings, checked_betas
+from lightning_muon.algorithms.settings import setting
+from lightning_muon.functional import decay_weights_
+from lightning_muon.soap_math import SOAP_STATE_KEYS, init_soap_state, soap_update
 
-__all__ = ["SOAP", "SOAPHparams", "SOAP_ALGORITHM", "check_soap", "check_soap_params"]
+__all__ = ["SOAP", "SOAPSettings", "SOAP_ALGORITHM", "ShampooSettings", "check_soap_params"]
 
 
 # soap_update's keywords that are group keys of the same name.
@@ -59,77 +51,57 @@ _SETTINGS = (
 
 
 @dataclass(frozen=True, kw_only=True)
-class SOAPHparams:
-    """SOAP groups, with Emerging-Optimizers' ``SOAP`` names and defaults (``soap_*`` keywords)."""
+class ShampooSettings(MatrixSettings, defaults={"lr": 3e-3, "weight_decay": 0.01, "fp32_matmul_prec": "high"}):
+    """The settings of SOAP and REKLS: an inner Adam in the eigenbases of Shampoo's Kronecker factors. The lr
+    (Emerging-Optimizers has no default) is the SOAP paper's reference implementation's."""
 
-    lr: float = 3e-3
-    """Learning rate (peak); follows the same schedule as Muon's. Emerging-Optimizers has no
-    default; 3e-3 is the one the SOAP paper's reference implementation shows."""
+    choices: ClassVar[dict[str, tuple]] = {"weight_decay_method": ("decoupled", "independent", "l2", "palm")}
+
     betas: Betas = (0.9, 0.95)
     """(beta1, beta2) of the inner Adam, each in [0, 1)."""
-    shampoo_beta: float = 0.95
-    """EMA rate of the Kronecker factors ``L`` and ``R``, in [0, 1)."""
-    eps: float = 1e-8
-    """Added to the inner Adam's root of the second moment, and KL-Shampoo's floor under the
-    factors' eigenvalues; > 0."""
-    weight_decay: float = 0.01
-    """Weight decay coefficient; how it applies is ``weight_decay_method``."""
-    weight_decay_method: WeightDecayMethod = "decoupled"
-    """"decoupled" ``W (1 - lr wd)``, "independent" ``W (1 - wd)``, "l2" ``g + wd W`` (the inner
-    Adam's gradient, not the factors'), "palm" ``W (1 - lr^2 wd)``."""
+    shampoo_beta: float = setting(0.95, low=0.0, high=1.0, high_open=True)
+    """EMA rate of the Kronecker factors L and R, in [0, 1)."""
+    eps: float = setting(1e-8, low=0.0, low_open=True)
+    """Added to the inner Adam's root of the second moment, and KL-Shampoo's floor under the factors'
+    eigenvalues; > 0."""
+
+    def normalize(self) -> None:
+        self._set("betas", checked_betas(self, self.betas))
+
+
+@dataclass(frozen=True, kw_only=True)
+class SOAPSettings(ShampooSettings, algorithm="soap"):
+    """SOAP groups, Emerging-Optimizers' defaults (``weight_decay_method="l2"`` decays the inner Adam's
+    gradient, not the factors')."""
+
     nesterov: bool = False
     """Nesterov momentum in the inner Adam (NAdam's look-ahead)."""
     correct_bias: bool = True
-    """Adam's bias correction of the inner moments (and of the factors' EMA, unless
-    ``correct_shampoo_beta_bias`` says otherwise)."""
-    fp32_matmul_prec: FP32MatmulPrec = "high"
-    """``torch.set_float32_matmul_precision`` around the factors' and the projections' matmuls:
-    "highest", "high" (TF32 on CUDA, exact on a CPU) or "medium" (bf16 passes)."""
+    """Adam's bias correction of the inner moments (and of the factors' EMA, unless correct_shampoo_beta_bias
+    says otherwise)."""
     use_eigh: bool = False
-    """Refresh the bases by a full eigendecomposition; False: orthogonal iteration (power
-    iteration and QR) from the current ones. The first bases always come from eigh."""
+    """Refresh the bases by a full eigendecomposition; False: orthogonal iteration (power iteration and QR)
+    from the current ones. The first bases always come from eigh."""
     qr_fp32_matmul_prec: FP32MatmulPrec = "high"
-    """``fp32_matmul_prec`` for the refresh's matmuls and QR."""
-    power_iter_steps: int = 1
-    """Power-iteration rounds, each followed by a QR, per refresh without eigh; >= 1."""
-    max_update_rms: float = 0.0
+    """fp32_matmul_prec for the refresh's matmuls and QR."""
+    power_iter_steps: int = setting(1, low=1, integer=True)
+    """Power-iteration rounds, each followed by a QR, per refresh without eigh."""
+    max_update_rms: float = setting(0.0, low=0.0)
     """Scale each matrix's update down to this RMS (0: no clipping)."""
     use_kl_shampoo: bool = False
     """KL-Shampoo's factors (Lin et al.): each averages the gradient whitened by the other."""
     correct_shampoo_beta_bias: bool | None = None
-    """Bias-correct the factors' EMA; None follows ``correct_bias``."""
-    precondition_frequency: int = 1
-    """Refresh the bases every this many steps (and at the first); >= 1. Not an
-    Emerging-Optimizers argument (it refreshes every step: 1); the SOAP paper's, and
-    Megatron-Core's ``soap_precondition_frequency``."""
+    """Bias-correct the factors' EMA; None follows correct_bias."""
+    precondition_frequency: int = setting(1, low=1, integer=True)
+    """Refresh the bases every this many steps (and at the first). Not an Emerging-Optimizers argument (it
+    refreshes every step: 1); the SOAP paper's, and Megatron-Core's soap_precondition_frequency."""
 
-    prefix = "soap_"  # not a field: the prefix of these knobs among Muon's keywords
-
-    def __post_init__(self) -> None:
-        normalize(self, check_soap(dataclasses.asdict(self), "Muon()", self.prefix))
-
-
-def check_soap(group: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-    """Check SOAP's hyperparameters in ``group``; returns the normalized values (``betas`` a tuple)."""
-    check_number(group["lr"], prefix + "lr", where, 0.0)
-    betas = check_betas(group["betas"], where, prefix)
-    check_number(group["shampoo_beta"], prefix + "shampoo_beta", where, 0.0, 1.0, high_open=True)
-    check_number(group["eps"], prefix + "eps", where, 0.0, low_open=True)
-    check_number(group["weight_decay"], prefix + "weight_decay", where, 0.0)
-    check_number(group["max_update_rms"], prefix + "max_update_rms", where, 0.0)
-    for name in ("power_iter_steps", "precondition_frequency"):
-        check_int(group[name], prefix + name, where, 1)
-    for name in ("nesterov", "correct_bias", "use_eigh", "use_kl_shampoo"):
-        check_bool({prefix + name: group[name]}, prefix + name, where)
-    choices = {
-        "weight_decay_method": WEIGHT_DECAY_METHODS,
-        "fp32_matmul_prec": FP32_MATMUL_PRECISIONS,
-        "qr_fp32_matmul_prec": FP32_MATMUL_PRECISIONS,
-        "correct_shampoo_beta_bias": (None, True, False),
-    }
-    for name, allowed in choices.items():
-        check_choice({prefix + name: group[name]}, prefix + name, where, allowed)
-    return {"betas": betas}
+    def normalize(self) -> None:
+        super().normalize()
+        if self.correct_shampoo_beta_bias is not None and not isinstance(self.correct_shampoo_beta_bias, bool):
+            raise self.error(
+                "correct_shampoo_beta_bias", f"must be None or a bool, got {self.correct_shampoo_beta_bias!r}"
+            )
 
 
 def check_soap_params(group: dict[str, Any], params: list[Tensor], where: str, algorithm: str) -> None:
@@ -170,21 +142,18 @@ class SOAP(Algorithm):
     """
 
     name = "soap"
-    hparams = SOAPHparams
+    settings = SOAPSettings
     orthogonalizes = False
     per_matrix = True  # its eigenbases are whole-matrix work: the matrices' role, and owners under a sharding
     # Its state is float32 (or wider) whatever exp_avg_dtype says; a master copy it steps on as on any parameter.
     state_dtype_settings = frozenset({"main_params_dtype"})
 
-    def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-        return check_soap(values, where, prefix)
-
     def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
         check_soap_params(group, params, where, self.name)
         momentum_readout(group)
 
-    def settings(self, group: dict[str, Any]) -> dict[str, Any]:
-        """``soap_update``'s keywords from the group's hyperparameters."""
+    def update_options(self, group: dict[str, Any]) -> dict[str, Any]:
+        """``soap_update``'s keywords from the group's settings."""
         settings = {name: group[name] for name in _SETTINGS}
         if settings["correct_shampoo_beta_bias"] is None:
             settings["correct_shampoo_beta_bias"] = group["correct_bias"]
@@ -216,7 +185,7 @@ class SOAP(Algorithm):
                 continue
             entry = self._state(ctx, p)
             update = self._update(group, entry, g, p)
-            decay_weight_(p, lr, weight_decay, method)
+            decay_weights_([p], lr, weight_decay, method, multiply_decoupled=False)
             p.add_(update, alpha=-lr)
             entry["step"] += 1
 
@@ -241,7 +210,9 @@ class SOAP(Algorithm):
         work = state["Q_L"].dtype
         l2 = group["weight_decay"] if group["weight_decay_method"] == "l2" else 0.0
         step = int(state["step"].item()) + 1
-        return soap_update(grad.to(work), state, step=step, weight=weight, l2_weight_decay=l2, **self.settings(group))
+        return soap_update(
+            grad.to(work), state, step=step, weight=weight, l2_weight_decay=l2, **self.update_options(group)
+        )
 
     def _step_sharded(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
         """The DTensor parameters' step: gradient, weight and state whole on each owner (``step_group``)."""
@@ -263,7 +234,7 @@ class SOAP(Algorithm):
             for key, rows in zip(SOAP_STATE_KEYS, parts[1:]):
                 entry[key].to_local().copy_(rows)
             local = p.to_local()
-            decay_weight_(local, lr, weight_decay, method)
+            decay_weights_([local], lr, weight_decay, method, multiply_decoupled=False)
             local.add_(parts[0].to(local.dtype), alpha=-lr)
             entry["step"] += 1
 

@@ -10,7 +10,7 @@ orthogonal matrices by the same matrix sign. For a matrix ``W`` with gradient ``
     W <- W - lr msign(U)                   # no shape scale
     W <- msign(W)
 
-``msign`` is Newton-Schulz with ``coefficient_type`` over ``num_ns_steps`` iterations, both
+``msign`` is Newton-Schulz with ``ns_coefficients`` over ``ns_steps`` iterations, both
 times: its singular values land near 1, in the schedule's band, not exactly on it. A decay
 before the projection still acts: it sets how much of the old weight the projected mixture
 ``(1 - lr wd) W - lr msign(U)`` keeps against the update.
@@ -29,70 +29,31 @@ References:
 
 from __future__ import annotations
 
-import dataclasses
 from dataclasses import dataclass
-from typing import Any
 
 import torch
 from torch import Tensor
 
 from lightning_muon.algorithms.base import StepContext, register_algorithm
-from lightning_muon.algorithms.checks import normalize
-from lightning_muon.algorithms.emerging import (
-    CoefficientType,
-    EmergingVariant,
-    FP32MatmulPrec,
-    WeightDecayMethod,
-    check_emerging,
-)
-from lightning_muon.algorithms.muon import MuonRound, NSDtype
+from lightning_muon.algorithms.emerging import EO_DEFAULTS, EmergingVariant
+from lightning_muon.algorithms.families import NewtonSchulzSettings
+from lightning_muon.algorithms.muon import MuonRound
 from lightning_muon.layout import MatrixLayout, layout_of
 
-__all__ = ["SPEL", "Spel", "SpelHparams"]
+__all__ = ["SPEL", "Spel", "SpelSettings"]
 
 
 @dataclass(frozen=True, kw_only=True)
-class SpelHparams:
-    """SPEL groups, with Emerging-Optimizers' ``Spel`` names and defaults, and our ``ns_dtype``."""
-
-    lr: float = 3e-4
-    """Learning rate (peak, before the schedule); the orthogonalized update is not scaled by shape."""
-    momentum: float = 0.95
-    """EMA momentum ``mu`` in [0, 1): ``B <- mu B + (1 - mu) G``."""
-    weight_decay: float = 0.1
-    """Weight decay coefficient; how it applies is ``weight_decay_method``."""
-    nesterov: bool = False
-    """Orthogonalize ``lerp(G, B, mu)`` instead of ``B``."""
-    weight_decay_method: WeightDecayMethod = "decoupled"
-    """"decoupled" ``W (1 - lr wd)``, "independent" ``W (1 - wd)``, "l2" ``G + wd W``, "palm" ``W (1 - lr^2 wd)``."""
-    fp32_matmul_prec: FP32MatmulPrec = "medium"
-    """``torch.set_float32_matmul_precision`` around the group's step on CUDA: "highest", "high" or "medium"."""
-    coefficient_type: CoefficientType = "quintic"
-    """Newton-Schulz coefficients of both matrix signs: "simple", "quintic", "polar_express", "aol", ..."""
-    num_ns_steps: int = 5
-    """Newton-Schulz iterations of both matrix signs (the update's and the weight's); >= 1."""
-    ns_dtype: NSDtype | None = None
-    """Newton-Schulz dtype: None (automatic: bf16 where its matmul is fast, float64 kept), "float32", ..."""
-
-    prefix = "spel_"  # not a field: the prefix of these knobs among Muon's keywords
-
-    def __post_init__(self) -> None:
-        normalize(self, check_emerging(dataclasses.asdict(self), "Muon()", self.prefix))
+class SpelSettings(NewtonSchulzSettings, algorithm="spel", defaults={**EO_DEFAULTS, "weight_decay": 0.1}):
+    """SPEL groups, Emerging-Optimizers' defaults: the update is not scaled by shape, and the Newton-Schulz
+    settings serve both matrix signs (the update's and the weight's)."""
 
 
 class Spel(EmergingVariant):
     """``"spel"``: the unscaled orthogonalized momentum, then the weight projected by its matrix sign."""
 
     name = "spel"
-    hparams = SpelHparams
-
-    def check(self, values: dict[str, Any], where: str, prefix: str = "") -> dict[str, Any]:
-        # The keys as the group names them first: a bad value there names "lr", not the keyword "spel_lr".
-        check_emerging(values, where, prefix)
-        return super().check(values, where, prefix)
-
-    def scale(self, group: dict) -> float:
-        return 1.0
+    settings = SpelSettings
 
     @torch.no_grad()
     def after_update(self, ctx: StepContext, group: dict, rnd: MuonRound) -> None:

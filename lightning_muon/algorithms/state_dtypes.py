@@ -98,13 +98,14 @@ def storage_dtype(setting: str, dtype: torch.dtype) -> torch.dtype:
 
 def state_dtype(optimizer: Any, setting: str, p: Tensor) -> torch.dtype:
     """The dtype of a new ``setting`` buffer (``"exp_avg_dtype"``, ...) for ``p``, the tensor the step updates."""
-    config = getattr(optimizer, "config", None)
-    return storage_dtype(getattr(config, setting, "float32"), p.dtype)
+    state = getattr(getattr(optimizer, "config", None), "state", None)
+    return storage_dtype(getattr(state, setting, "float32"), p.dtype)
 
 
 def has_main_param(config: Any, p: Tensor) -> bool:
     """Whether ``p`` steps on an fp32 master copy: ``main_params_dtype="float32"`` and ``p`` is bf16 or fp16."""
-    return getattr(config, "main_params_dtype", None) is not None and p.is_floating_point() and p.dtype.itemsize < 4
+    state = getattr(config, "state", None)
+    return getattr(state, "main_params_dtype", None) is not None and p.is_floating_point() and p.dtype.itemsize < 4
 
 
 @torch.no_grad()
@@ -134,7 +135,7 @@ def restore_state_dtypes(optimizer: Any, state_dict: dict[str, Any]) -> None:
                 del entry[MAIN_PARAM]
         updated = torch.float32 if main else p.dtype  # the dtype the step updates p in
         for setting, keys in _KEYS.items():
-            dtype = storage_dtype(getattr(config, setting), updated)
+            dtype = storage_dtype(getattr(config.state, setting), updated)
             for key in _present(entry, keys):
                 entry[key] = _wide(entry[key], saved.get(key), dtype)
 

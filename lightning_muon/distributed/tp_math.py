@@ -40,11 +40,13 @@ References:
 from __future__ import annotations
 
 import math
+import typing
 from collections.abc import Callable, Sequence
 
 import torch
 from torch import Tensor
 
+from lightning_muon.algorithms.families import TPMode
 from lightning_muon.newton_schulz import Normalization, ns_flops
 
 __all__ = [
@@ -53,9 +55,10 @@ __all__ = [
     "newton_schulz_on_shards",
     "tp_bytes",
     "tp_ns_flops",
+    "TPMode",
 ]
 
-TP_MODES = ("duplicated", "distributed", "blockwise")
+TP_MODES: tuple[str, ...] = typing.get_args(TPMode)
 
 
 def long_side_split(rows: int, cols: int, split_dim: int) -> bool:

@@ -1,11 +1,11 @@
 """Routing parameters to algorithms: ordered, named rules, and one module per layout family.
 
 - ``rules``: ``Rule``, ``route_parameters``, ``RoutingConfig`` and ``ParamGroups`` (the report);
+- ``settings``: ``RoutingSettings``, the routing section of ``MuonConfig``;
 - ``conv1d``: weights stored ``(fan_in, fan_out)`` (transformers' ``Conv1D``);
 - ``experts``: mixture-of-experts stacks and their routers; ``probe``: their layouts read from the
   model's own forward;
 - ``fused_qkv``: fused QKV weights split into Q, K and V (``split_qkv``);
-- ``megatron``: Megatron-Core's names for Muon's settings;
 - ``added_groups``, ``param_groups``, ``checkpoint``: groups added after construction, groups
   from what a user passes, and the check that a checkpoint was saved with this routing.
 """
@@ -21,6 +21,7 @@ from lightning_muon.routing.rules import (
     route_parameters,
     unwrap_module,
 )
+from lightning_muon.routing.settings import RoutingSettings
 
 __all__ = [
     "DEFAULT_HEAD_NAMES",
@@ -29,6 +30,7 @@ __all__ = [
     "ExpertStack",
     "ParamGroups",
     "RoutingConfig",
+    "RoutingSettings",
     "Rule",
     "find_experts",
     "route_parameters",

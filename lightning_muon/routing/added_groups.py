@@ -10,11 +10,11 @@ the optimizer when it unfreezes it: weights and biases together, with one lr.
   rest to AdamW. ``configure_muon_optimizers`` attaches a ``ModuleRouter``: the config's
   routing rules over the module, the rules the optimizer's first groups came from
   (embeddings and head to the scalar algorithm, biases and norms to it without weight
-  decay, user rules first), and the flat rule with the config's ``scalar_optimizer`` for a
+  decay, user rules first), and the flat rule with the config's scalar algorithm for a
   tensor that is not the module's.
 - **lr.** Every part keeps the relation between the optimizer's per-algorithm lrs. With
   ``B_k`` the lr a group of part ``k``'s route starts from (a rule's ``lr`` option, else the
-  optimizer's lr for its algorithm: ``lr``, ``adamw_lr``, ...) and ``B_0`` the one the
+  optimizer's lr for its algorithm, its settings' ``lr``) and ``B_0`` the one the
   optimizer's first group started from (its ``initial_lr`` once a scheduler has recorded
   it, else its ``lr``; the Muon lr while there is no group yet), a split group given lr
   ``x`` gives part ``k`` the lr ``x * B_k / B_0``: ``x`` is read on the first group's scale,

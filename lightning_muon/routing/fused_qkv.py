@@ -10,8 +10,6 @@ groups).
 
 from __future__ import annotations
 
-from typing import Any
-
 from lightning_muon.routing.conv1d import TRANSPOSED_MODULES
 from lightning_muon.routing.rules import Rule
 
@@ -22,7 +20,7 @@ __all__ = ["QKV_NAMES", "split_rules"]
 QKV_NAMES = r"(^|\.)(linear_qkv|qkv|qkv_proj|c_attn|query_key_value)\.weight$|(^|\.)in_proj_weight$"
 
 
-def split_rules(config: Any) -> list[Rule]:
+def split_rules(split_qkv: bool, qkv_split_shapes: tuple[int, ...] | None, matrix_algorithm: str) -> list[Rule]:
     """The routing rules ``split_qkv`` adds, in the order they are tried (none without ``split_qkv``).
 
     1. ``nn.MultiheadAttention``'s ``in_proj_weight``: Q | K | V of equal size along dim 0,
@@ -32,30 +30,50 @@ def split_rules(config: Any) -> list[Rule]:
     3. Fused QKV weights by Megatron's ``is_qkv`` attribute or by name (``QKV_NAMES``), split
        as Megatron does: the rows are query groups of ``sum(qkv_split_shapes)`` rows each,
        and Q (K, V) gathers its rows from every group.
+
+    Rules 2 and 3 need ``qkv_split_shapes``; without it only rule 1 applies. The matched
+    weights go to ``matrix_algorithm`` (Muon, or the variant the config trains hidden matrices with).
     """
-    if not config.split_qkv:
+    if not split_qkv:
         return []
-    sizes = list(config.qkv_split_shapes)
-    options = {"split_sizes": sizes}
-    matrices = config.matrix_optimizer  # Muon, or the variant the config trains hidden matrices with
-    return [
+    rules = [
         Rule(
             name="mha_in_proj",
-            algorithm=matrices,
+            algorithm=matrix_algorithm,
             group="muon_mha_in_proj",
             names="*in_proj_weight",
             module_types="MultiheadAttention",
             options={"split_parts": 3},
-        ),
+        )
+    ]
+    if qkv_split_shapes is None:
+        return rules
+    options = {"split_sizes": list(qkv_split_shapes)}
+    return [
+        *rules,
         Rule(
             name="qkv_names_transposed",
-            algorithm=matrices,
+            algorithm=matrix_algorithm,
             group="muon_qkv_transposed",
             regex=QKV_NAMES,
             module_types=TRANSPOSED_MODULES,
             min_ndim=2,
             options={**options, "transposed": True},
         ),
-        Rule(name="split_qkv", algorithm=matrices, group="muon_qkv", attributes="is_qkv", min_ndim=2, options=options),
-        Rule(name="qkv_names", algorithm=matrices, group="muon_qkv", regex=QKV_NAMES, min_ndim=2, options=options),
+        Rule(
+            name="split_qkv",
+            algorithm=matrix_algorithm,
+            group="muon_qkv",
+            attributes="is_qkv",
+            min_ndim=2,
+            options=options,
+        ),
+        Rule(
+            name="qkv_names",
+            algorithm=matrix_algorithm,
+            group="muon_qkv",
+            regex=QKV_NAMES,
+            min_ndim=2,
+            options=options,
+        ),
     ]

@@ -21,11 +21,11 @@ __all__ = ["algorithm_of", "as_groups", "group_label", "option_names", "split_na
 
 
 def option_names(algorithm: str) -> frozenset[str]:
-    """The keys a param group of ``algorithm`` may set: its hyperparameters, ``name`` and ``param_names``.
+    """The keys a param group of ``algorithm`` may set: its settings, ``name`` and ``param_names``.
 
-    The hyperparameters are the fields of the algorithm's ``hparams`` (``MuonHparams``,
-    ``AdamWHparams``, ...); a Muon group also takes ``split_sizes``, ``split_parts``,
-    ``batched`` and ``transposed``.
+    The settings are the fields of the algorithm's ``settings`` (``MuonSettings``,
+    ``AdamWSettings``, ...) and their other projects' names (``aliases``); a Muon group also
+    takes ``split_sizes``, ``split_parts``, ``batched``, ``transposed`` and ``blocks``.
     """
     return get_algorithm(algorithm).option_names()
 

@@ -201,6 +201,10 @@ class Rule:
     def group_name(self) -> str:
         return self.group or self.name
 
+    def to_dict(self) -> dict[str, Any]:
+        """The fields this rule sets away from their defaults (the form YAML writes it in)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self) if getattr(self, f.name) != f.default}
+
     @property
     def group_options(self) -> dict[str, Any]:
         """The options its group takes: ``options``, and the layout ``experts`` implies."""
