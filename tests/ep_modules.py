@@ -25,7 +25,15 @@ import torch
 import torch.distributed as dist
 from torch import nn
 
-from lightning_muon import MuonConfig, MuonModuleMixin, Rule
+from lightning_muon import (
+    AdamWSettings,
+    MuonConfig,
+    MuonModuleMixin,
+    MuonSettings,
+    RoutingSettings,
+    Rule,
+    ScheduleSettings,
+)
 
 VOCAB, D, INTER, E, SEQ, SAMPLES = 32, 16, 12, 4, 8, 8
 # The experts' forward communicates across the expert dim, which the routing's probe does not run: a
@@ -170,7 +178,14 @@ def full_params(model: pl.LightningModule) -> dict[str, torch.Tensor]:
 
 
 def reference_fit(root: Path, max_steps: int) -> dict[str, torch.Tensor]:
-    model = TinyMoE(MuonConfig(**CONFIG))
+    model = TinyMoE(
+        MuonConfig(
+            matrix=MuonSettings(lr=0.05, weight_decay=0.1, ns_dtype="float32"),
+            scalar=AdamWSettings(lr=1e-2),
+            routing=RoutingSettings(rules=EXPERT_RULES),
+            schedule=ScheduleSettings(warmup=1),
+        )
+    )
     _trainer(root, max_steps, devices=1).fit(model)
     return full_params(model)
 
@@ -186,7 +201,14 @@ def ep_fit_worker(rank: int, world_size: int, root: Path, max_steps: int) -> lis
     os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")  # processes made outside Lightning
     out = []
     for plain in (False, True):
-        model = TinyMoE(MuonConfig(**CONFIG))
+        model = TinyMoE(
+            MuonConfig(
+                matrix=MuonSettings(lr=0.05, weight_decay=0.1, ns_dtype="float32"),
+                scalar=AdamWSettings(lr=1e-2),
+                routing=RoutingSettings(rules=EXPERT_RULES),
+                schedule=ScheduleSettings(warmup=1),
+            )
+        )
         if plain:
             strategy = ModelParallelStrategy(data_parallel_size=world_size // 2, tensor_parallel_size=2)
         else:

@@ -28,11 +28,15 @@ import torch
 from benchlib.counting import NSCounter
 from torch import nn
 
-from lightning_muon import MuonConfig
+from lightning_muon import AdamWSettings, MomentumWarmup, MuonConfig, MuonSettings, ScheduleSettings
 
 MICRO = 6  # samples per micro-batch over all ranks
 # fp32 Newton-Schulz: bf16 would turn reduction-order noise into percent-level differences.
-CONFIG = MuonConfig(lr=0.02, weight_decay=0.1, ns_dtype="float32", adamw_lr=1e-2, warmup=2, momentum_warmup_steps=3)
+CONFIG = MuonConfig(
+    matrix=MuonSettings(lr=0.02, weight_decay=0.1, ns_dtype="float32"),
+    scalar=AdamWSettings(lr=1e-2),
+    schedule=ScheduleSettings(warmup=2, momentum_warmup=MomentumWarmup(steps=3)),
+)
 IN_FEATURES = {"ddp": 8, "fsdp": 6}
 OUT_FEATURES = {"ddp": 4, "fsdp": 3}
 

@@ -24,7 +24,7 @@ import torch
 from ddp_modules import TinyRegressor
 from fsdp_modules import FSDPRegressor, trainer_kwargs
 
-from lightning_muon import MuonConfig
+from lightning_muon import AdamWSettings, MuonConfig, MuonSettings, StateSettings
 
 BAD_RANK, BAD_STEP, STEPS = 1, 2, 4
 
@@ -41,7 +41,11 @@ class PoisonOneRank(pl.Callback):
 
 
 def fit(strategy: str, mode: str, out: Path) -> None:
-    config = MuonConfig(lr=0.02, ns_dtype="float32", adamw_lr=1e-2, nonfinite=mode)
+    config = MuonConfig(
+        matrix=MuonSettings(lr=0.02, ns_dtype="float32"),
+        scalar=AdamWSettings(lr=1e-2),
+        state=StateSettings(nonfinite=mode),
+    )
     root = out / f"{strategy}-{mode}"
     if strategy == "muon_ddp":
         model, name = TinyRegressor(config), "head.bias"

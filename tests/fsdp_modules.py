@@ -22,7 +22,17 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_muon import Muon, MuonConfig, MuonModuleMixin
+from lightning_muon import (
+    AdamWSettings,
+    MomentumWarmup,
+    Muon,
+    MuonConfig,
+    MuonHyperballSettings,
+    MuonModuleMixin,
+    MuonSettings,
+    RoutingSettings,
+    ScheduleSettings,
+)
 
 # ---------------------------------------------------------------- the sharding on its own
 
@@ -77,7 +87,7 @@ def _groups(params: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
             "batched": True,
             "transposed": True,
             "split_sizes": [1, 1],
-            "weight_decay_form": "cautious",
+            "weight_decay_method": "cautious",
         },
         {"params": pick("hb_experts"), "algorithm": "muon_hyperball", "name": "hb_experts", "batched": True},
         # spectral_norm scales by sqrt(rows / cols): a shard's row count would give another lr.
@@ -87,7 +97,7 @@ def _groups(params: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
             "algorithm": "muon",
             "name": "normuon",
             "second_moment": "normuon",
-            "weight_decay_form": "cautious",
+            "weight_decay_method": "cautious",
         },
         {"params": pick("adamw"), "algorithm": "adamw", "name": "adamw"},
     ]
@@ -96,7 +106,8 @@ def _groups(params: dict[str, torch.Tensor]) -> list[dict[str, Any]]:
 def _optimizer(params: dict[str, torch.Tensor], ns_dtype: str = "float32") -> Muon:
     # fp32 Newton-Schulz unless asked: the comparison is against one process, and bf16 would
     # amplify the ulp differences of another reduction order into percent-level ones.
-    return Muon(_groups(params), lr=0.05, weight_decay=0.1, ns_dtype=ns_dtype, adamw_lr=0.01)
+    hyperball = MuonHyperballSettings(lr=0.05, weight_decay=0.1, ns_dtype=ns_dtype)
+    return Muon(_groups(params), lr=0.05, weight_decay=0.1, ns_dtype=ns_dtype, adamw_lr=0.01, settings=[hyperball])
 
 
 def _record(log: list, names: dict[int, str]):
@@ -313,14 +324,9 @@ def dataset() -> torch.utils.data.TensorDataset:
 
 
 CONFIG = MuonConfig(
-    lr=0.02,
-    weight_decay=0.1,
-    ns_dtype="float32",  # bf16 Newton-Schulz turns ulps of another reduction order into percents
-    adjust_lr="spectral_norm",  # sqrt(rows / cols): wrong if a shard's shape were used
-    adamw_lr=1e-2,
-    adamw_weight_decay=0.01,
-    warmup=2,  # the lr changes every step: the scheduler's state must survive a resume
-    momentum_warmup_steps=3,
+    matrix=MuonSettings(lr=0.02, weight_decay=0.1, ns_dtype="float32", adjust_lr="spectral_norm"),
+    scalar=AdamWSettings(lr=1e-2, weight_decay=0.01),
+    schedule=ScheduleSettings(warmup=2, momentum_warmup=MomentumWarmup(steps=3)),
 )
 
 
@@ -380,7 +386,9 @@ def fit_worker(rank: int, world_size: int, spec: dict[str, Any]) -> dict[str, An
 # ---------------------------------------------------------------- GPT-2 with split_qkv
 
 GPT2_CONFIG = MuonConfig(
-    lr=0.02, weight_decay=0.1, ns_dtype="float32", adamw_lr=1e-2, split_qkv=True, qkv_split_shapes=(32, 32, 32)
+    matrix=MuonSettings(lr=0.02, weight_decay=0.1, ns_dtype="float32"),
+    scalar=AdamWSettings(lr=1e-2),
+    routing=RoutingSettings(split_qkv=True, qkv_split_shapes=(32, 32, 32)),
 )
 
 

@@ -12,7 +12,8 @@ writes it::
                                               per piece of a split (fused QKV) matrix
     W <- W (1 - lr wd) - lr adjust(rows, cols) O
 
-with NorMuon / AdaMuon second moments, sign momentum and cautious weight decay as options.
+with NorMuon / AdaMuon second moments, sign momentum and the other weight decay methods
+(independent, palm, l2, cautious) as options.
 """
 
 from __future__ import annotations
@@ -27,11 +28,9 @@ from lightning_muon.newton_schulz import COEFFICIENTS, NORMALIZATION
 # adjust_lr modes: the lr scale for a (rows, cols) matrix.
 ADJUST = {
     "original": lambda r, c: math.sqrt(max(1.0, r / c)),
-    "shape_scaling": lambda r, c: math.sqrt(max(1.0, r / c)),
     "match_rms_adamw": lambda r, c: 0.2 * math.sqrt(max(r, c)),
     "spectral": lambda r, c: math.sqrt(max(r, c)),
     "spectral_norm": lambda r, c: math.sqrt(r / c),
-    "unit_rms_norm": lambda r, c: math.sqrt(r / c),
     "none": lambda r, c: 1.0,
 }
 
@@ -101,7 +100,7 @@ def muon64(
     beta2: float = 0.9,
     eps: float = 1e-8,
     sign_momentum: bool = False,
-    weight_decay_form: str = "decoupled",
+    weight_decay_method: str = "decoupled",
     split_sizes: Sequence[int] | None = None,
 ) -> tuple[torch.Tensor, torch.Tensor, torch.Tensor | None]:
     """The Muon loop over ``grads`` in float64: final weights, momentum and second moment.
@@ -117,7 +116,13 @@ def muon64(
     - ``"normuon"``: ``v`` the mean over the longer axis, ``O rsqrt(max(v, eps))`` rescaled
       to ``||O||_F`` (the norm floored at eps);
     - ``"namo"``: ``O ||U||_F / (sqrt(v) + eps)``, ``v`` the EMA of ``||G||_F^2``.
+
+    ``weight_decay_method``: ``"decoupled"`` ``W (1 - lr wd)``, ``"independent"`` ``W (1 - wd)``,
+    ``"palm"`` ``W (1 - lr^2 wd)``, ``"l2"`` ``G + wd W`` in place of ``G`` (before the momentum),
+    ``"cautious"`` decoupled only where the update and ``W`` agree in sign.
     """
+    if weight_decay_method not in ("decoupled", "independent", "palm", "l2", "cautious"):
+        raise ValueError(f"muon64: unknown weight_decay_method {weight_decay_method!r}")
     W = W0.to(torch.float64, copy=True)
     B = torch.zeros_like(W)
     rows = W.shape[0]
@@ -132,6 +137,8 @@ def muon64(
         V = torch.zeros((), dtype=torch.float64)
     for G in grads:
         G = G.to(torch.float64)
+        if weight_decay_method == "l2":
+            G = G + weight_decay * W
         B, U = momentum64(B, G, momentum, nesterov, momentum_form)
         if sign_momentum:
             U = torch.sign(U)
@@ -161,10 +168,11 @@ def muon64(
                     Q = Q_hat * torch.linalg.matrix_norm(Q) / torch.linalg.matrix_norm(Q_hat) if rescale else Q_hat
             step[idx] = ADJUST[adjust](len(idx), M.shape[1]) * extra * Q
         Wm = W.reshape(rows, -1)
-        if weight_decay_form == "decoupled":
-            Wm = Wm * (1 - lr * weight_decay)
-        else:  # cautious: decay where the update (subtracted) and W agree in sign
+        if weight_decay_method == "cautious":  # decay where the update (subtracted) and W agree in sign
             Wm = Wm - lr * weight_decay * (step * Wm >= 0).double() * Wm  # a bool mask times a float is float32
+        elif weight_decay_method != "l2":  # l2 decayed through the gradient
+            factor = {"decoupled": lr * weight_decay, "independent": weight_decay, "palm": lr * lr * weight_decay}
+            Wm = Wm * (1 - factor[weight_decay_method])
         W = (Wm - lr * step).reshape(W.shape)
     return W, B, V
 

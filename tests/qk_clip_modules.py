@@ -16,7 +16,7 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 
-from lightning_muon import MuonConfig, MuonModuleMixin, QKClip
+from lightning_muon import AdamWSettings, MuonConfig, MuonModuleMixin, MuonSettings, QKClip
 from lightning_muon_demo.models import CharGPT
 
 VOCAB, BLOCK, EMBD, HEADS, LAYERS, BATCH = 32, 8, 16, 2, 2, 8
@@ -27,7 +27,9 @@ TAU = 1.0
 # gradient is zero in exact arithmetic (softmax ignores what is added to every logit of a
 # query), so under eps 1e-8 AdamW turns its rounding noise into +-lr steps whose signs
 # depend on the order of the gradient sums; 1e-4 leaves noise-level gradients at rest.
-CONFIG = MuonConfig(lr=0.02, ns_dtype="float32", adamw_lr=1e-2, adamw_eps=1e-4, weight_decay=0.1)
+CONFIG = MuonConfig(
+    matrix=MuonSettings(lr=0.02, ns_dtype="float32", weight_decay=0.1), scalar=AdamWSettings(lr=1e-2, eps=1e-4)
+)
 
 
 def tokens() -> torch.Tensor:

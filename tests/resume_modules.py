@@ -27,7 +27,18 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_muon import MuonConfig, MuonModuleMixin, Rule
+from lightning_muon import (
+    AdamWSettings,
+    LionSettings,
+    MomentumWarmup,
+    MuonConfig,
+    MuonModuleMixin,
+    MuonSettings,
+    RoutingSettings,
+    Rule,
+    ScheduleFreeSettings,
+    ScheduleSettings,
+)
 from lightning_muon.algorithms import sinkhorn_knopp
 
 MATRIX = (
@@ -53,10 +64,11 @@ F32 = {"ns_dtype": "float32"}  # bf16 Newton-Schulz turns ulps of another reduct
 # fixed hyperball radius (a weight is rescaled before its first step), PolarGrad's
 # "independent" decay W (1 - wd), Spel's projection, Sinkhorn-Muon's map. SOAP and REKLS
 # with the eps that tames their amplification of rounding (TAMED; docs/algorithms.md).
+MUON_LANE = {"lr": 0.02, "weight_decay": 0.1, **F32}  # Muon's variants at the config's Muon settings
 MATRIX_OPTIONS: dict[str, dict[str, Any]] = {
     "muon": {},
-    "muon_hyperball": {"hyperball_radius": 2.0},
-    "adaptive_muon": {"moment2_method": "normuon"},
+    "muon_hyperball": {**MUON_LANE, "hyperball_radius": 2.0},
+    "adaptive_muon": {**MUON_LANE, "moment2_method": "normuon"},
     "scion": {"lr": 0.01, **F32},
     "polargrad": {"lr": 0.01, "weight_decay_method": "independent", **F32},
     "mop": {"lr": 0.01},
@@ -99,15 +111,12 @@ def rules(matrix_options: dict[str, dict[str, Any]]) -> list[Rule]:
 
 def config(matrix_options: dict[str, dict[str, Any]] | None = None) -> MuonConfig:
     return MuonConfig(
-        lr=0.02,
-        weight_decay=0.1,
-        ns_dtype="float32",
-        adamw_lr=1e-2,
-        adamw_weight_decay=0.01,
-        warmup=2,  # the lr changes every step: the scheduler's state must survive a resume
-        momentum_warmup_steps=3,
-        rules=rules({**MATRIX_OPTIONS, **(matrix_options or {})}),
-        default_rules=False,
+        matrix=MuonSettings(lr=0.02, weight_decay=0.1, ns_dtype="float32"),
+        scalar=AdamWSettings(lr=1e-2, weight_decay=0.01),
+        # Lion and Schedule-Free AdamW at AdamW's lr and decay, LaProp at its own lr.
+        others=[LionSettings(lr=1e-2, weight_decay=0.01), ScheduleFreeSettings(lr=1e-2, weight_decay=0.01)],
+        routing=RoutingSettings(rules=rules({**MATRIX_OPTIONS, **(matrix_options or {})}), default_rules=False),
+        schedule=ScheduleSettings(warmup=2, momentum_warmup=MomentumWarmup(steps=3)),
     )
 
 

@@ -13,14 +13,14 @@ import torch.distributed as dist
 from lightning.pytorch.loggers import CSVLogger
 from torch import nn
 
-from lightning_muon import Muon, MuonConfig, MuonModuleMixin, UpdateSpectrumMonitor
+from lightning_muon import AdamWSettings, Muon, MuonConfig, MuonModuleMixin, MuonSettings, UpdateSpectrumMonitor
 from lightning_muon.callbacks._spectra import SpectrumCollector
 from lightning_muon.metrics import EffectiveRank, LargestSingularValue, SpectrumMetrics, StableRank
 
 LR = 0.05
 # fp32 Newton-Schulz: a 2-rank run then equals one process to ~1e-6 (bf16 would amplify the
 # ulp differences of another reduction order into percent-level ones).
-CONFIG = MuonConfig(lr=LR, ns_dtype="float32", adamw_lr=1e-2)
+CONFIG = MuonConfig(matrix=MuonSettings(lr=LR, ns_dtype="float32"), scalar=AdamWSettings(lr=1e-2))
 TRAINER = dict(
     accelerator="cpu",
     max_steps=5,

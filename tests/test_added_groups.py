@@ -12,7 +12,15 @@ import pytest
 import torch
 from torch import nn
 
-from lightning_muon import Muon, MuonConfig, Rule, configure_muon_optimizers
+from lightning_muon import (
+    AdamWSettings,
+    LionSettings,
+    Muon,
+    MuonConfig,
+    RoutingSettings,
+    Rule,
+    configure_muon_optimizers,
+)
 from lightning_muon.schedules import LRSchedule, MuonScheduler
 
 
@@ -91,8 +99,10 @@ def test_the_module_router_applies_the_configs_rules_to_an_unfrozen_backbone():
     model = Backboned()
     model.backbone.requires_grad_(False)
     config = MuonConfig(
-        adamw_weight_decay=0.1,
-        rules=[Rule(name="hidden", algorithm="muon", names="backbone.1.weight", options={"lr": 0.01})],
+        scalar=AdamWSettings(weight_decay=0.1),
+        routing=RoutingSettings(
+            rules=[Rule(name="hidden", algorithm="muon", names="backbone.1.weight", options={"lr": 0.01})]
+        ),
     )
     opt = configure_muon_optimizers(model, config)["optimizer"]
     assert [g["name"] for g in opt.param_groups] == ["muon", "adamw_no_decay", "adamw"]  # the head
@@ -112,7 +122,7 @@ def test_the_module_router_applies_the_configs_rules_to_an_unfrozen_backbone():
 
 def test_a_tensor_outside_the_module_takes_the_flat_rule_with_the_scalar_optimizer():
     model = Backboned()
-    opt = configure_muon_optimizers(model, MuonConfig(scalar_optimizer="lion"))["optimizer"]
+    opt = configure_muon_optimizers(model, MuonConfig(scalar=LionSettings()))["optimizer"]
     extra = [nn.Parameter(torch.zeros(4, 4)), nn.Parameter(torch.zeros(4))]
     opt.add_param_group({"params": extra})
     # The first group is Lion's (the embedding): Lion's part comes last. The optimizer's groups

@@ -9,7 +9,6 @@ from __future__ import annotations
 
 import dataclasses
 import importlib
-import inspect
 import io
 import textwrap
 from pathlib import Path
@@ -21,9 +20,28 @@ import yaml
 from test_cli import _cli, _routing_table
 from torch import nn
 
-from lightning_muon import Algorithm, Muon, MuonConfig, MuonModuleMixin, Rule, register_algorithm, route_parameters
-from lightning_muon.algorithms import StepContext, algorithm_names, get_algorithm, orthogonalizes
-from lightning_muon.hparams import BUILTIN_HPARAMS
+from lightning_muon import (
+    Algorithm,
+    Muon,
+    MuonConfig,
+    MuonHyperballSettings,
+    MuonModuleMixin,
+    MuonSettings,
+    RoutingSettings,
+    Rule,
+    SOAPSettings,
+    register_algorithm,
+    route_parameters,
+)
+from lightning_muon.algorithms import (
+    AdamWSettings,
+    AdaptiveMuonSettings,
+    ScalarSettings,
+    StepContext,
+    algorithm_names,
+    get_algorithm,
+    orthogonalizes,
+)
 
 TESTS = Path(__file__).resolve().parent
 
@@ -78,13 +96,19 @@ def test_the_builtins_are_registered_in_order_and_muon_alone_orthogonalizes():
         get_algorithm("torch.nn.Linear")
 
 
-@dataclasses.dataclass(frozen=True)
-class _Knobs:
-    lr: float = 0.1
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Knobs(ScalarSettings):
+    pass
+
+
+@dataclasses.dataclass(frozen=True, kw_only=True)
+class _Clash(ScalarSettings):
+    params: float = 0.0
+    """A setting named like a group key."""
 
 
 class _Step(Algorithm):
-    hparams = _Knobs
+    settings = _Knobs
 
     def step_group(self, optimizer, group, params, grads):
         torch._foreach_add_(params, grads, alpha=-group["lr"])
@@ -95,12 +119,17 @@ class _Step(Algorithm):
     [
         (lambda: type("A", (_Step,), {"name": "adamw"}), ValueError, r"'adamw' is registered already"),
         (lambda: type("A", (_Step,), {"name": "has space"}), ValueError, r"A.name must be an identifier"),
-        (lambda: type("A", (Algorithm,), {"name": "nostep", "hparams": _Knobs}), ValueError, r"does not define step"),
-        (lambda: type("A", (_Step,), {"name": "plain", "hparams": dict}), TypeError, r"hparams must be a dataclass"),
+        (lambda: type("A", (Algorithm,), {"name": "nostep", "settings": _Knobs}), ValueError, r"does not define step"),
+        (lambda: type("A", (_Step,), {"name": "plain", "settings": dict}), TypeError, r"settings must be a dataclass"),
         (
-            lambda: type("A", (_Step,), {"name": "clash", "hparams": dataclasses.make_dataclass("K", ["params"])}),
+            lambda: type("A", (_Step,), {"name": "plainer", "settings": dataclasses.make_dataclass("K", ["lr"])}),
+            TypeError,
+            r"deriving from lightning_muon.algorithms.Settings",
+        ),
+        (
+            lambda: type("A", (_Step,), {"name": "clash", "settings": _Clash}),
             ValueError,
-            r"hyperparameters \['params'\] are reserved group keys",
+            r"settings \['params'\] are reserved group keys",
         ),
         (lambda: torch.optim.SGD, TypeError, r"expected an Algorithm or a subclass of it"),
     ],
@@ -156,17 +185,20 @@ def test_a_users_algorithm_is_checked_and_named_in_rules(signum):
     rule = Rule(name="gains", algorithm="signum", names="gain", options={"beta": 0.5})
     groups = route_parameters(model, rules=[rule])
     assert {g["name"]: g["algorithm"] for g in groups}["gains"] == "signum"
-    opt = Muon(groups, algorithm_defaults={"signum": {"lr": 0.05}})
+    signum_settings = signum.SignumSettings
+    opt = Muon(groups, settings=[signum_settings(lr=0.05)])
     gains = next(g for g in opt.param_groups if g["name"] == "gains")
     assert (gains["lr"], gains["beta"], gains["weight_decay"]) == (0.05, 0.5, 0.0)
     with pytest.raises(ValueError, match=r"option 'bta' is not a hyperparameter of 'signum' groups; did you mean"):
         Rule(name="r", algorithm="signum", options={"bta": 0.5})
-    with pytest.raises(ValueError, match=r"param group 0 \('g'\): signum: beta must be in \[0, 1\), got 1.5"):
+    with pytest.raises(ValueError, match=r"param group 0 \('g'\): beta must be a finite number in \[0.0, 1.0\)"):
         Muon([{"params": [model.gain], "algorithm": "signum", "name": "g", "beta": 1.5}])
-    with pytest.raises(ValueError, match=r"algorithm_defaults\['signum'\]: \['bta'\] are not hyperparameters"):
-        Muon([model.gain], algorithm_defaults={"signum": {"bta": 0.5}})
-    with pytest.raises(ValueError, match=r"algorithm_defaults\['adamw'\]: 'adamw' takes its defaults from Muon's own"):
-        Muon([model.gain], algorithm_defaults={"adamw": {"eps": 1e-6}})
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'bta'"):
+        signum_settings(bta=0.5)
+    with pytest.raises(ValueError, match=r"Muon: settings holds AdamWSettings and the keywords .* set adamw's"):
+        Muon([model.gain], adamw_lr=1e-2, settings=[AdamWSettings(eps=1e-6)])
+    with pytest.raises(ValueError, match=r"two settings for 'signum'"):
+        Muon([model.gain], settings=[signum_settings(), signum_settings(lr=1.0)])
     # An import path names it too, and reaches the registered instance.
     assert get_algorithm("user_algorithm.Signum") is get_algorithm("signum")
 
@@ -201,14 +233,17 @@ class YamlModel(MuonModuleMixin, pl.LightningModule):
 
 
 CONFIG_YAML = """
-rules:
-  - name: gains
-    algorithm: signum
-    names: "*.gain"
-    options: {beta: 0.5}
-algorithm_defaults:
-  signum: {lr: 0.01}
-ns_dtype: float32
+routing:
+  rules:
+    - name: gains
+      algorithm: signum
+      names: "*.gain"
+      options: {beta: 0.5}
+others:
+  - class_path: user_algorithm.SignumSettings
+    init_args: {lr: 0.01}
+matrix:
+  init_args: {ns_dtype: float32}
 """
 
 
@@ -242,9 +277,11 @@ def test_the_cli_trains_with_an_algorithm_a_yaml_names_by_import_path(tmp_path):
               class_path: cli_user_model.UserModel
               init_args:
                 muon_config:
-                  scalar_optimizer: user_algorithm.Signum
-                  algorithm_defaults: {signum: {lr: 0.01}}
-                  ns_dtype: float32
+                  scalar:
+                    class_path: user_algorithm.SignumSettings
+                    init_args: {lr: 0.01}
+                  matrix:
+                    init_args: {ns_dtype: float32}
             """
         )
     )
@@ -257,14 +294,16 @@ def test_the_cli_trains_with_an_algorithm_a_yaml_names_by_import_path(tmp_path):
 def test_with_lr_moves_a_registered_algorithms_own_lr_and_leaves_hyperball_on_muons(signum):
     # The lr finder's suggestion becomes a config by MuonConfig.with_lr: an algorithm with an
     # lr of its own keeps its ratio to the Muon lr, whether a rule names it or its defaults do.
-    by_rule = MuonConfig(lr=0.02, rules=[Rule(name="signs", algorithm="user_algorithm.Signum", names="*.bias")])
+    by_rule = MuonConfig(
+        matrix=MuonSettings(lr=0.02),
+        routing=RoutingSettings(rules=[Rule(name="signs", algorithm="user_algorithm.Signum", names="*.bias")]),
+    )
     assert by_rule.with_lr(0.04).optimizer.group_defaults("signum")["lr"] == pytest.approx(2e-3, rel=1e-15)
-    given = MuonConfig(lr=0.02, scalar_optimizer="signum", algorithm_defaults={"signum": {"lr": 5e-4, "beta": 0.8}})
+    given = MuonConfig(matrix=MuonSettings(lr=0.02), scalar=signum.SignumSettings(lr=5e-4, beta=0.8))
     tuned = given.with_lr(0.01)
-    assert tuned.algorithm_defaults["signum"] == {"lr": 2.5e-4, "beta": 0.8, "weight_decay": 0.0}
-    assert given.algorithm_defaults["signum"]["lr"] == 5e-4  # the original untouched
-    hyperball = MuonConfig(lr=0.02, matrix_optimizer="muon_hyperball").with_lr(0.01)
-    assert "muon_hyperball" not in hyperball.algorithm_defaults  # no lr of its own: it steps at Muon's
+    assert tuned.scalar == signum.SignumSettings(lr=2.5e-4, beta=0.8, weight_decay=0.0)
+    assert given.scalar.lr == 5e-4  # the original untouched
+    hyperball = MuonConfig(matrix=MuonHyperballSettings(lr=0.02)).with_lr(0.01)
     assert hyperball.optimizer.group_defaults("muon_hyperball")["lr"] == 0.01
 
 
@@ -277,7 +316,7 @@ def test_a_step_sees_the_optimizer_only_through_its_step_context():
 
     class _Probe(Algorithm):
         name = "probe_context"
-        hparams = _Knobs
+        settings = _Knobs
 
         def step_group(self, ctx, group, params, grads):
             seen.append(ctx)
@@ -291,31 +330,20 @@ def test_a_step_sees_the_optimizer_only_through_its_step_context():
     opt.step()
     ctx = seen[0]
     assert type(ctx) is StepContext and seen[1] is ctx  # one per optimizer
-    assert opt.state[w]["calls"] == 2 and ctx.config.step_memory_mb == 8 and ctx.sharding is None
+    assert opt.state[w]["calls"] == 2 and ctx.config.state.step_memory_mb == 8 and ctx.sharding is None
     assert not ctx.has_update_hooks and ctx.group_index(opt.param_groups[0]) == 0
     for name in ("step", "param_groups", "add_param_group", "finite_checks", "attach_sharding"):
         assert not hasattr(ctx, name), name
 
 
-def test_every_built_in_hyperparameter_is_a_muon_keyword_and_a_config_field_once():
-    """Flat keywords are made from the hparams dataclasses: each field, prefixed, with its default, in both."""
-    signature = inspect.signature(Muon)
-    fields = {f.name: f for f in dataclasses.fields(MuonConfig)}
-    seen = set()
-    for part in BUILTIN_HPARAMS.values():
-        for f in dataclasses.fields(part):
-            key = part.prefix + f.name
-            assert key not in seen, key
-            seen.add(key)
-            assert signature.parameters[key].default == f.default, key
-            assert fields[key].default == f.default, key
-    # Megatron-Core's names among them, and an algorithm's keys reach its groups.
-    assert {"adaptive_muon_moment2_method", "soap_shampoo_beta", "soap_precondition_frequency"} <= seen
+def test_an_algorithms_settings_reach_its_groups_from_the_config_and_from_muon():
+    """A matrix section's settings reach its groups; ``Muon(settings=[...])`` gives other algorithms' defaults."""
     w = nn.Parameter(torch.randn(4, 6))
-    config = MuonConfig(matrix_optimizer="soap", soap_shampoo_beta=0.9, soap_use_kl_shampoo=True, default_rules=True)
+    config = MuonConfig(matrix=SOAPSettings(shampoo_beta=0.9, use_kl_shampoo=True))
     optimizer, _ = config.build(nn.Sequential(nn.Linear(6, 4), nn.Linear(4, 4)))
     soap = [g for g in optimizer.param_groups if g["algorithm"] == "soap"]
     assert soap and all(g["shampoo_beta"] == 0.9 and g["use_kl_shampoo"] for g in soap)
-    assert Muon([w], adaptive_muon_beta2=0.9).config.hparams_of("adaptive_muon").beta2 == 0.9
-    with pytest.raises(TypeError, match=r"unexpected keyword arguments \['soap_shampoo_bta'\]"):
-        Muon([w], soap_shampoo_bta=0.9)
+    given = Muon([w], settings=[AdaptiveMuonSettings(second_moment_beta2=0.9)])
+    assert given.config.settings_of("adaptive_muon").second_moment_beta2 == 0.9
+    with pytest.raises(TypeError, match=r"unexpected keyword argument 'soap_shampoo_beta'"):
+        Muon([w], soap_shampoo_beta=0.9)

@@ -23,7 +23,7 @@ import torch
 from torch import nn
 from torch.utils.data import DataLoader, DistributedSampler, TensorDataset
 
-from lightning_muon import MuonConfig, MuonDDPStrategy, MuonModuleMixin
+from lightning_muon import AdamWSettings, MuonConfig, MuonDDPStrategy, MuonModuleMixin, MuonSettings
 from lightning_muon.checkpoints import DistributedCheckpointError
 
 pytestmark = pytest.mark.filterwarnings(
@@ -31,7 +31,7 @@ pytestmark = pytest.mark.filterwarnings(
     "ignore:`isinstance\\(treespec, LeafSpec\\)` is deprecated",
 )
 
-CONFIG = MuonConfig(lr=0.02, adamw_lr=3e-3, ns_dtype="float32")
+CONFIG = MuonConfig(matrix=MuonSettings(lr=0.02, ns_dtype="float32"), scalar=AdamWSettings(lr=3e-3))
 ROOT = Path(__file__).resolve().parents[1]
 
 
@@ -150,7 +150,8 @@ def test_the_schedulers_resume_warning_points_at_the_users_fit_not_into_lightnin
     with warnings.catch_warnings(record=True) as caught:
         warnings.simplefilter("always")
         _trainer(tmp_path / "resumed", 3).fit(
-            Net(MuonConfig(lr=0.04, adamw_lr=3e-3, ns_dtype="float32")), ckpt_path=saved
+            Net(MuonConfig(matrix=MuonSettings(lr=0.04, ns_dtype="float32"), scalar=AdamWSettings(lr=3e-3))),
+            ckpt_path=saved,
         )
     (warning,) = [w for w in caught if "MuonScheduler: resuming at step 2" in str(w.message)]
     lightning_dir = os.path.dirname(os.path.dirname(os.path.abspath(pl.__file__))) + os.sep  # .../lightning/

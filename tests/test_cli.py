@@ -2,6 +2,7 @@
 
 from __future__ import annotations
 
+import dataclasses
 import os
 import re
 import subprocess
@@ -13,7 +14,16 @@ import pytest
 import torch
 import yaml
 
-from lightning_muon import MuonConfig
+from lightning_muon import (
+    AdamWSettings,
+    MomentumWarmup,
+    MuonConfig,
+    MuonSettings,
+    ScheduleFreeSettings,
+    ScheduleSettings,
+)
+from lightning_muon.algorithms import algorithm_names, per_matrix
+from lightning_muon.aliases import MEGATRON_DEFAULTS, MEGATRON_REFUSED, aliases_of
 from lightning_muon.cli import main
 from lightning_muon_demo.module import CharGPTModule
 
@@ -101,12 +111,13 @@ def test_cli_fits_configs_muon_yaml(tmp_path):
     # so the config is a plain dict here, not the MuonConfig the module was given.
     hparams = checkpoint["hyper_parameters"]
     config = MuonConfig.from_any(hparams["muon_config"])
-    assert (config.lr, config.adjust_lr, config.falloff, config.momentum_warmup_steps) == (
+    assert (config.matrix.lr, config.matrix.adjust_lr, config.schedule.falloff, config.schedule.momentum_warmup) == (
         0.02,
         "match_rms_adamw",
         "wsd",
-        100,
+        MomentumWarmup(start=0.85, steps=100),
     )
+    assert type(config.matrix) is MuonSettings and type(config.scalar) is AdamWSettings
     assert hparams["n_embd"] == 32
     # load_from_checkpoint rebuilds the module through the CLI's parser: the config is typed again.
     module = CharGPTModule.load_from_checkpoint(_checkpoint_path(tmp_path))
@@ -136,12 +147,13 @@ def test_cli_fits_configs_adamw_yaml_with_adamw_groups_only(tmp_path):
 
 def test_cli_fits_configs_muon_schedulefree_yaml(tmp_path):
     # The config's 30-step warmup is longer than this 3-step run, which is refused: 3 here.
-    output = _fit(tmp_path, "muon_schedulefree.yaml", *TINY_CHARGPT, "--model.init_args.muon_config.warmup=3")
+    output = _fit(tmp_path, "muon_schedulefree.yaml", *TINY_CHARGPT, "--model.init_args.muon_config.schedule.warmup=3")
     sf = "adamw_schedulefree"
     assert _routing_table(output) == {sf: (sf, 3), f"{sf}_no_decay": (sf, 10), "muon": ("muon", 4)}
     checkpoint = _checkpoint(tmp_path)
     config = MuonConfig.from_any(checkpoint["hyper_parameters"]["muon_config"])
-    assert (config.scalar_optimizer, config.falloff, config.warmup) == (sf, "constant", 3)
+    assert type(config.scalar) is ScheduleFreeSettings and config.scalar.algorithm == sf
+    assert (config.scalar.lr, config.schedule.falloff, config.schedule.warmup) == (0.003, "constant", 3)
     # Constant falloff: the run's length is not needed, and no group decays.
     assert checkpoint["lr_schedulers"][0]["schedule"]["total_steps"] is None
     state = checkpoint["optimizer_states"][0]
@@ -198,7 +210,7 @@ def test_cli_fits_a_users_module_by_class_path(tmp_path):
         "muon.yaml",
         "--model.class_path=user_tiny_lm.TinyLM",
         "--model.init_args.n_embd=24",
-        "--model.init_args.muon_config.lr=0.05",
+        "--model.init_args.muon_config.matrix.init_args.lr=0.05",
         pythonpath=package,
     )
     # adamw: emb.weight, lm_head.weight; adamw_no_decay: hidden.bias, lm_head.bias
@@ -206,7 +218,8 @@ def test_cli_fits_a_users_module_by_class_path(tmp_path):
     checkpoint = _checkpoint(run_dir)
     hparams = checkpoint["hyper_parameters"]
     assert hparams["n_embd"] == 24 and "n_layer" not in hparams
-    assert (hparams["muon_config"]["lr"], hparams["muon_config"]["adjust_lr"]) == (0.05, "match_rms_adamw")
+    matrix = hparams["muon_config"]["matrix"]["init_args"]  # the one field given over muon.yaml's section
+    assert (matrix["lr"], matrix["adjust_lr"]) == (0.05, "match_rms_adamw")
     assert checkpoint["state_dict"]["hidden.weight"].shape == (24, 24)
 
 
@@ -233,12 +246,14 @@ def test_cli_readme_line_trains_a_users_model_on_its_own_loaders(tmp_path):
     assert _routing_table(output)["muon"] == ("muon", 2)  # net.0 and net.2
     saved = yaml.safe_load(next(tmp_path.rglob("config.yaml")).read_text())
     assert saved["data"] is None and saved["model"]["class_path"] == "cli_user_model.UserModel"
-    assert saved["model"]["init_args"]["muon_config"]["lr"] == 0.02  # muon.yaml's optimizer settings are kept
+    # muon.yaml's optimizer settings are kept.
+    assert saved["model"]["init_args"]["muon_config"]["matrix"]["init_args"]["lr"] == 0.02
     # ... and a note says so, with the form that starts from the model's own defaults instead.
     assert (
         "--config muon was written for lightning_muon_demo.CharGPTModule; "
         "cli_user_model.UserModel keeps from it the trainer settings and model.init_args.muon_config, not "
-        "block_size, n_layer, n_head, n_embd. --model.init_args.muon_config=null starts from your model's defaults"
+        "block_size, n_layer, n_head, n_embd. --model.init_args.muon_config=null starts from your model's defaults "
+        "instead (then set single fields: --model.init_args.muon_config.matrix.init_args.lr=0.01)"
     ) in output
 
 
@@ -250,7 +265,7 @@ def test_cli_bundled_config_with_the_users_model_and_muon_config_null_takes_the_
         "muon",
         "--model.class_path=cli_user_model.UserModel",
         "--model.init_args.muon_config=null",
-        "--model.init_args.muon_config.falloff=cosine",
+        "--model.init_args.muon_config.schedule.falloff=cosine",
         *QUICK,
         pythonpath=TESTS,
     )
@@ -258,7 +273,7 @@ def test_cli_bundled_config_with_the_users_model_and_muon_config_null_takes_the_
     assert proc.returncode == 0, output[-4000:]
     saved = yaml.safe_load(next(tmp_path.rglob("config.yaml")).read_text())["model"]["init_args"]["muon_config"]
     # MuonConfig's defaults, and the one field given: none of muon.yaml's (lr 0.02, wsd, adjust_lr ...).
-    assert MuonConfig.from_any(saved) == MuonConfig(falloff="cosine")
+    assert MuonConfig.from_any(saved) == MuonConfig(schedule=ScheduleSettings(falloff="cosine"))
     assert "was written for" not in output
     assert "`Trainer.fit` stopped: `max_steps=2` reached." in output
 
@@ -294,29 +309,47 @@ def test_cli_never_writes_over_its_input_config(tmp_path):
     assert sorted(p.name for p in tmp_path.glob("*.yaml")) == ["config.yaml", "config_1.yaml"]
 
 
+TIP = (
+    "tip: python -m lightning_muon fit --help lists the options; python -m lightning_muon options NAME lists the "
+    "settings of an algorithm (muon, adamw, ...) or a config section (state, routing, schedule)"
+)
+
+
 @pytest.mark.parametrize(
     ("bad", "expect"),
     [
-        (
-            "--model.init_args.muon_config.momentum=1.5",
-            "error: MuonConfig.momentum: Muon(): momentum must be a finite number in [0.0, 1.0), got 1.5",
+        (  # a setting's value, refused when the section's settings are built: the field as written
+            ["--model.init_args.muon_config.matrix.init_args.momentum=1.5"],
+            "error: MuonSettings.momentum must be a finite number in [0.0, 1.0), got 1.5",
+        ),
+        (  # a setting's name, refused when the section is built: the nearest setting
+            ["--model.init_args.muon_config.matrix.init_args.lrr=0.1"],
+            "error: MuonConfig.matrix: ['lrr'] are not settings of 'muon'; did you mean 'lr'?",
+        ),
+        (  # a setting's choice in a config file, the section's class by its short name as configs/ write it
+            [
+                "--config",
+                "model: {init_args: {muon_config: {matrix: {class_path: MuonSettings, init_args: {adjust_lr: sqrt}}}}}",
+            ],
+            "error: model.init_args.muon_config: MuonSettings.adjust_lr: not one of 'original', 'match_rms_adamw', "
+            "'spectral', 'spectral_norm', 'none'",
         ),
         # An unknown option, named as written, with the module's options when none is close.
         (
-            "--model.init_args.learning_rate=0.1",
+            ["--model.init_args.learning_rate=0.1"],
             "error: model.init_args.learning_rate: CharGPTModule has no option 'learning_rate'; its options: "
             "vocab_size, block_size, n_layer, n_head, n_embd, dropout, tie_weights, muon_config",
         ),
         (
-            "--config=mun",
+            ["--config=mun"],
             "error: argument -c/--config: 'mun' is neither a file nor a bundled config "
             "(bundled: adamw, muon, muon_ddp, muon_fsdp, muon_schedulefree)",
         ),
     ],
-    ids=["bad_value", "typo", "unknown_config"],
+    ids=["bad_value", "bad_setting_name", "bad_choice_in_a_config", "typo", "unknown_config"],
 )
 def test_cli_bad_input_is_reported_first_without_tracebacks(tmp_path, bad, expect):
-    proc = _cli(tmp_path, "fit", "--config", str(ROOT / "configs" / "muon.yaml"), *QUICK, bad)
+    proc = _cli(tmp_path, "fit", "--config", str(ROOT / "configs" / "muon.yaml"), *QUICK, *bad)
     lines = proc.stderr.splitlines()
     assert proc.returncode == 2, proc.stderr[-4000:]
     found = (expect.search(line) if isinstance(expect, re.Pattern) else expect in line for line in lines[:3])
@@ -328,26 +361,38 @@ def test_cli_bad_input_is_reported_first_without_tracebacks(tmp_path, bad, expec
     ("bad", "first_line"),
     [
         (  # a typo in a choice: the field as written, its choices, the nearest
-            ["--model.init_args.muon_config.falloff=cosin"],
-            "error: model.init_args.muon_config.falloff: 'cosin' is not one of 'constant', 'linear', 'cosine', "
-            "'wsd', 'inverse_sqrt'; did you mean 'cosine'?",
+            ["--model.init_args.muon_config.schedule.falloff=cosin"],
+            "error: model.init_args.muon_config.schedule.falloff: 'cosin' is not one of 'constant', 'linear', "
+            "'cosine', 'wsd', 'inverse_sqrt'; did you mean 'cosine'?",
         ),
-        (  # an unknown option: the nearest valid name
-            ["--model.init_args.muon_config.lrr=0.1"],
-            "error: model.init_args.muon_config.lrr: MuonConfig has no option 'lrr'; did you mean 'lr'?",
+        (  # an unknown section: the nearest valid name
+            ["--model.init_args.muon_config.matrx=MuonSettings"],
+            "error: model.init_args.muon_config.matrx: MuonConfig has no option 'matrx'; did you mean 'matrix'?",
         ),
-        (  # the same from a config file
-            ["--config", "model: {init_args: {muon_config: {falloff: cosin}}}"],
-            "error: model.init_args.muon_config.falloff: 'cosin' is not one of 'constant', 'linear', 'cosine', "
-            "'wsd', 'inverse_sqrt'; did you mean 'cosine'?",
+        (  # an unknown option of a section: the nearest of the section's own
+            ["--model.init_args.muon_config.schedule.warmpu=3"],
+            "error: model.init_args.muon_config.schedule.warmpu: ScheduleSettings has no option 'warmpu'; "
+            "did you mean 'warmup'?",
+        ),
+        (  # the same typo in a choice from a config file
+            ["--config", "model: {init_args: {muon_config: {schedule: {falloff: cosin}}}}"],
+            "error: model.init_args.muon_config.schedule.falloff: 'cosin' is not one of 'constant', 'linear', "
+            "'cosine', 'wsd', 'inverse_sqrt'; did you mean 'cosine'?",
         ),
         (
-            ["--model.init_args.muon_config.lr=fast"],
-            "error: model.init_args.muon_config.lr: expected float, got 'fast'",
+            ["--model.init_args.muon_config.schedule.warmup=fast"],
+            "error: model.init_args.muon_config.schedule.warmup: expected float, got 'fast'",
         ),
         (["--trainer.max_stepz=3"], "error: trainer.max_stepz: no such option; did you mean 'trainer.max_steps'?"),
     ],
-    ids=["choice_typo", "unknown_option", "choice_typo_in_a_config", "not_a_number", "unknown_trainer_option"],
+    ids=[
+        "choice_typo",
+        "unknown_section",
+        "unknown_option",
+        "choice_typo_in_a_config",
+        "not_a_number",
+        "unknown_trainer_option",
+    ],
 )
 def test_cli_rejected_values_name_the_field_and_its_choices_in_two_lines(capsys, monkeypatch, bad, first_line):
     # In this process (parsing fails before anything is built); the subprocess's stderr is the
@@ -357,4 +402,140 @@ def test_cli_rejected_values_name_the_field_and_its_choices_in_two_lines(capsys,
         main(["fit", "--config", "muon", "--model.class_path=cli_user_model.UserModel", *bad])
     lines = capsys.readouterr().err.splitlines()
     assert exited.value.code == 2
-    assert lines == [first_line, "tip: python -m lightning_muon fit --help lists every option"], lines
+    assert lines == [first_line, TIP], lines
+
+
+# --- python -m lightning_muon options [NAME], --help, --print_config ------------------------------
+
+
+def _options(capsys: pytest.CaptureFixture[str], *name: str) -> str:
+    assert main(["options", *name]) is None
+    captured = capsys.readouterr()
+    assert captured.err == ""
+    return captured.out
+
+
+def _documented(text: str) -> dict[str, tuple[str, str]]:
+    """Field -> (its ``type = default`` text, its doc, wrapped lines joined) from an ``options`` listing."""
+    fields: dict[str, tuple[str, str]] = {}
+    name = None
+    for line in text.splitlines():
+        field = re.match(r"^  (\w+): (.+)$", line)
+        if field:
+            name = field.group(1)
+            fields[name] = (field.group(2), "")
+        elif name is not None and line.startswith("      "):
+            kind, doc = fields[name]
+            fields[name] = (kind, f"{doc} {line.strip()}".strip())
+        else:
+            name = None
+    return fields
+
+
+def _same_words(a: str, b: str) -> bool:
+    """Equal but for whitespace (the listing wraps docs at 100 columns, hyphenated words included)."""
+    return "".join(a.split()) == "".join(b.split())
+
+
+def test_options_alone_lists_the_sections_and_the_algorithms(capsys):
+    text = _options(capsys)
+    fields = _documented(text)
+    sections = [f.name for f in dataclasses.fields(MuonConfig)]
+    assert list(fields) == sections == ["matrix", "scalar", "others", "state", "routing", "schedule", "megatron"]
+    assert all(doc for _, doc in fields.values()), fields
+    matrix = [n for n in algorithm_names() if per_matrix(n)]
+    scalar = [n for n in algorithm_names() if not per_matrix(n)]
+    assert {"muon", "adaptive_muon", "scion", "soap"} <= set(matrix) and scalar == [
+        "adamw",
+        "lion",
+        "adamw_schedulefree",
+        "laprop",
+    ]
+    assert f"matrix algorithms: {', '.join(matrix)}" in text.splitlines()
+    assert f"scalar algorithms: {', '.join(scalar)}" in text.splitlines()
+    assert "sections: state, routing, schedule; Megatron-Core's names: megatron" in text.splitlines()
+
+
+def test_options_muon_lists_every_setting_with_its_default_and_doc(capsys):
+    text = _options(capsys, "muon")
+    assert text.startswith("muon: MuonSettings (lightning_muon.algorithms.muon)\n")
+    assert "In a config: muon_config.matrix: {class_path: MuonSettings, init_args: {...}}" in text
+    listed = _documented(text.split("\nsettings:\n", 1)[1].split("\nalso read under", 1)[0])
+    defaults, docs = MuonSettings(), MuonSettings.docs()
+    assert list(listed) == list(MuonSettings.field_names())
+    for name, (kind, doc) in listed.items():
+        assert kind.endswith(f" = {getattr(defaults, name)!r}"), (name, kind)
+        assert docs[name] and _same_words(doc, docs[name]), (name, doc)
+    assert "'original', 'match_rms_adamw', 'spectral', 'spectral_norm', 'none'" in listed["adjust_lr"][0]
+    # Other projects' names, each with the field it sets.
+    aliases = text.split("\nalso read under other projects' names:\n", 1)[1].splitlines()
+    assert aliases == [f"  {a.name} -> {a.field} ({a.source})" for a in aliases_of(MuonSettings).values()]
+    assert {"num_ns_steps", "coefficient_type", "scale_mode", "adjust_lr_fn"} <= set(aliases_of(MuonSettings))
+
+
+def test_options_of_a_section_and_of_megatron(capsys):
+    listed = _documented(_options(capsys, "schedule"))
+    assert list(listed) == [f.name for f in dataclasses.fields(ScheduleSettings)]
+    assert all(doc for _, doc in listed.values()), listed
+    text = _options(capsys, "megatron")
+    assert text.startswith("muon_config.megatron: a Megatron-Core OptimizerConfig block (MuonConfig.from_megatron)\n")
+    read, refused = text.split("\nrefused, with what to use instead:\n")
+    assert "  optimizer: 'muon', 'adaptive_muon' or 'soap' (required)" in read.splitlines()
+    assert [line for line in read.splitlines() if " = " in line] == [
+        f"  {name} = {default!r}" for name, default in MEGATRON_DEFAULTS.items()
+    ]
+    assert {"muon_momentum", "muon_coefficient_type", "adam_beta2", "exp_avg_dtype"} <= set(MEGATRON_DEFAULTS)
+    assert refused.splitlines() == [f"  {name}: {advice}" for name, advice in MEGATRON_REFUSED.items()]
+    assert "  decoupled_lr: a routing Rule whose options set lr for the embedding and the head" in refused
+
+
+def test_options_of_an_unknown_name_exits_2_naming_the_known_ones(capsys):
+    with pytest.raises(SystemExit) as exited:
+        main(["options", "muonn"])
+    captured = capsys.readouterr()
+    assert exited.value.code == 2 and captured.out == ""
+    known = [*algorithm_names(), "state", "routing", "schedule", "megatron"]
+    assert captured.err == f"error: options: 'muonn' is neither an algorithm nor a section; one of {known}\n"
+    assert {"muon", "adamw", "soap", "laprop"} <= set(known)
+
+
+def test_options_and_help_from_the_command_line(tmp_path):
+    proc = _cli(tmp_path, "options", "muon")
+    assert proc.returncode == 0 and proc.stderr == "", proc.stderr[-4000:]
+    assert set(_documented(proc.stdout.split("\nsettings:\n", 1)[1])) >= set(MuonSettings.field_names())
+    proc = _cli(tmp_path, "--help")
+    assert proc.returncode == 0, proc.stderr[-4000:]
+    commands = proc.stdout.split("\nmore commands:\n", 1)[1].splitlines()
+    assert [line.split(":")[0] for line in commands] == [
+        "  python -m lightning_muon convert-checkpoint DIR OUT.ckpt",
+        "  python -m lightning_muon options [NAME]",
+    ]
+    assert "Available subcommands:" in proc.stdout and re.search(r"^\s+fit\s", proc.stdout, re.M)
+
+
+def _leaves(value: object) -> int:
+    """The keys with a value of their own: every scalar, list item or empty container."""
+    if isinstance(value, dict):
+        return sum(_leaves(v) for v in value.values()) or 1
+    if isinstance(value, list):
+        return sum(_leaves(v) for v in value) or 1
+    return 1
+
+
+def test_print_config_holds_only_the_chosen_algorithms_settings_each_documented(capsys, monkeypatch):
+    monkeypatch.setattr(sys, "argv", ["lightning_muon"])
+    with pytest.raises(SystemExit) as exited:
+        main(["fit", "-c", "muon", "--print_config"])
+    assert exited.value.code in (0, None)
+    config = yaml.safe_load(capsys.readouterr().out)["model"]["init_args"]["muon_config"]
+    optimizer = {name: config[name] for name in ("matrix", "scalar", "others", "state", "megatron")}
+    # Muon's settings and AdamW's, not every algorithm's (the flat config printed well over 100).
+    assert _leaves(optimizer) < 50, optimizer
+    assert (config["matrix"]["class_path"], config["scalar"]["class_path"]) == (
+        "lightning_muon.MuonSettings",
+        "lightning_muon.AdamWSettings",
+    )
+    for section, algorithm in (("matrix", "muon"), ("scalar", "adamw")):
+        documented = _documented(_options(capsys, algorithm))
+        for key in config[section]["init_args"]:
+            assert key in documented and documented[key][1], f"{section}.init_args.{key}: no doc in options {algorithm}"

@@ -8,13 +8,14 @@ from __future__ import annotations
 
 import importlib.util
 import math
+import warnings
 
 import pytest
 import torch
 from dist_utils import run_distributed
 from torch import nn
 
-from lightning_muon import Muon, MuonConfig, Rule, route_parameters
+from lightning_muon import AdamWSettings, Muon, MuonConfig, MuonSettings, RoutingSettings, Rule, route_parameters
 from lightning_muon.functional import adjust_lr_ratio
 from lightning_muon.layout import MatrixLayout
 from lightning_muon.newton_schulz import orthogonalize
@@ -82,7 +83,7 @@ def _pair() -> tuple[TinyGPT, TinyGPT]:
 
 
 def _train(model: nn.Module, config: MuonConfig, steps: int = 3) -> None:
-    opt = Muon(route_parameters(model, **config.routing_kwargs()), **config.optimizer_kwargs())
+    opt = Muon.from_config(route_parameters(model, **config.routing_config.kwargs()), config.optimizer)
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         idx = torch.randint(0, 32, (4, 8), generator=gen)
@@ -123,7 +124,10 @@ def test_conv1d_lr_ratio_is_fan_out_over_fan_in(layer, ratio):
 def test_a_conv1d_gpt_trains_exactly_like_its_linear_twin(adjust_lr):
     """Same function, weights stored transposed: the same updates, transposed, for every layer."""
     conv, linear = _pair()
-    config = MuonConfig(lr=0.05, ns_dtype="float32", adjust_lr=adjust_lr, weight_decay=0.1, adamw_lr=1e-2)
+    config = MuonConfig(
+        matrix=MuonSettings(lr=0.05, ns_dtype="float32", adjust_lr=adjust_lr, weight_decay=0.1),
+        scalar=AdamWSettings(lr=1e-2),
+    )
     _train(conv, config)
     _train(linear, config)
     for (name, p), q in zip(conv.named_parameters(), linear.parameters()):
@@ -138,12 +142,15 @@ def test_a_conv1d_gpt_trains_exactly_like_its_linear_twin(adjust_lr):
 def test_split_qkv_splits_gpt2_c_attn_along_its_output_axis():
     """One step with momentum 0: c_attn's update is the three orthogonalized column blocks, by hand."""
     conv, _ = _pair()
-    config = MuonConfig(lr=0.1, momentum=0.0, ns_dtype="float32", split_qkv=True, qkv_split_shapes=(D, D, D))
-    groups = route_parameters(conv, **config.routing_kwargs())
+    config = MuonConfig(
+        matrix=MuonSettings(lr=0.1, momentum=0.0, ns_dtype="float32"),
+        routing=RoutingSettings(split_qkv=True, qkv_split_shapes=(D, D, D)),
+    )
+    groups = route_parameters(conv, **config.routing_config.kwargs())
     qkv = next(g for g in groups if g["name"] == "muon_qkv_transposed")
     assert qkv["transposed"] and qkv["split_sizes"] == [D, D, D]
     assert sorted(qkv["param_names"]) == ["h.0.c_attn.weight", "h.1.c_attn.weight"]
-    opt = Muon(groups, **config.optimizer_kwargs())
+    opt = Muon.from_config(groups, config.optimizer)
     W = conv.h[0].c_attn.weight
     before = W.detach().clone()
     conv(torch.randint(0, 32, (4, 8))).square().mean().backward()
@@ -184,11 +191,21 @@ def test_split_parts_orthogonalizes_each_head_along_the_output_axis():
 
 def test_split_qkv_splits_multihead_attention_in_proj_into_q_k_v():
     model = nn.ModuleDict({"attn": nn.MultiheadAttention(D, 4), "head": nn.Linear(D, 2)})
-    config = MuonConfig(split_qkv=True, qkv_split_shapes=(D, D, D), ns_dtype="float32")
-    groups = route_parameters(model, **config.routing_kwargs())
+    config = MuonConfig(
+        matrix=MuonSettings(ns_dtype="float32"), routing=RoutingSettings(split_qkv=True, qkv_split_shapes=(D, D, D))
+    )
+    groups = route_parameters(model, **config.routing_config.kwargs())
     assert groups.assignments["attn.in_proj_weight"] == "mha_in_proj"
-    opt = Muon(groups, **config.optimizer_kwargs())
+    opt = Muon.from_config(groups, config.optimizer)
     (group,) = [g for g in opt.param_groups if g["name"] == "muon_mha_in_proj"]
+    assert group["split_sizes"] == (D, D, D)
+    # split_qkv alone does the same: in_proj_weight's Q, K and V rows are known from the module, no warning.
+    alone = MuonConfig(routing=RoutingSettings(split_qkv=True))
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        groups = alone.routing_config.build(model)
+    assert groups.assignments["attn.in_proj_weight"] == "mha_in_proj"
+    (group,) = [g for g in Muon.from_config(groups, alone.optimizer).param_groups if g["name"] == "muon_mha_in_proj"]
     assert group["split_sizes"] == (D, D, D)
 
 
@@ -240,7 +257,7 @@ def test_a_1x1_conv_classifier_goes_to_adamw_and_the_stem_on_request():
     assert algorithm["fc.weight"] == "adamw" and algorithm["body.weight"] == algorithm["stem.weight"] == "muon"
     groups = route_parameters(ConvClassifier(), input_layer=True)
     assert groups.assignments["stem.weight"] == "input_layer"
-    assert MuonConfig(input_layer=True).routing_kwargs()["input_layer"] is True
+    assert MuonConfig(routing=RoutingSettings(input_layer=True)).routing_config.kwargs()["input_layer"] is True
 
 
 def test_no_head_found_warns():
@@ -322,11 +339,14 @@ def test_real_gpt2_conv1d_weights_get_linear_lr_ratios(gpt2):
 
 
 def test_real_gpt2_split_qkv_orthogonalizes_q_k_v(gpt2):
-    config = MuonConfig(split_qkv=True, qkv_split_shapes=(64, 64, 64), ns_dtype="float32")
-    groups = route_parameters(gpt2, **config.routing_kwargs())
+    config = MuonConfig(
+        matrix=MuonSettings(lr=0.1, momentum=0.0, ns_dtype="float32"),
+        routing=RoutingSettings(split_qkv=True, qkv_split_shapes=(64, 64, 64)),
+    )
+    groups = route_parameters(gpt2, **config.routing_config.kwargs())
     qkv = next(g for g in groups if g["name"] == "muon_qkv_transposed")
     assert [n.split(".", 3)[-1] for n in qkv["param_names"]] == ["attn.c_attn.weight"] * 2
-    opt = Muon(groups, **{**config.optimizer_kwargs(), "momentum": 0.0, "lr": 0.1})  # sizes fit (64, 192)
+    opt = Muon.from_config(groups, config.optimizer)  # sizes fit (64, 192)
     W = gpt2.transformer.h[0].attn.c_attn.weight
     before = W.detach().clone()
     gpt2(torch.randint(0, 128, (2, 16))).logits.square().mean().backward()

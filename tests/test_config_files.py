@@ -1,8 +1,11 @@
 """Every YAML we ship parses unchanged: configs/ through the CLI's parser, the examples' MuonConfig sections.
 
 Parsing checks the types (``Literal`` choices included) as LightningCLI does; building
-the ``MuonConfig`` of every ``muon_config`` section runs its checks; and every value the
-file sets comes out of the config as written.
+the ``MuonConfig`` of every ``muon_config`` mapping runs its checks; and every value the
+file sets comes out of the config as written: a settings section (``matrix``, ``scalar``,
+``others``) as its ``class_path`` (the class it names, short or dotted) and each of its
+``init_args`` (other projects' names read as the fields they set), a plain section
+(``state``, ``routing``, ``schedule``) field by field.
 """
 
 from __future__ import annotations
@@ -21,7 +24,8 @@ import yaml
 from jsonargparse_compat import instantiate
 from lightning.pytorch.cli import LightningCLI
 
-from lightning_muon import MuonConfig
+from lightning_muon import MuonConfig, Settings
+from lightning_muon.aliases import canonical
 from lightning_muon.cli import MuonArgumentParser, MuonCLI
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -64,11 +68,27 @@ def _sections(tree: Any, path: str = "") -> list[tuple[str, dict]]:
 
 
 def _same(value: Any, written: Any) -> bool:
+    if isinstance(value, Settings) and isinstance(written, dict):
+        return _same_settings(value, written)
     if isinstance(value, (list, tuple)) and isinstance(written, (list, tuple)):
         return len(value) == len(written) and all(_same(v, w) for v, w in zip(value, written))
     if dataclasses.is_dataclass(value) and isinstance(written, dict):
-        return all(_same(getattr(value, k), w) for k, w in written.items())
+        return all(hasattr(value, k) and _same(getattr(value, k), w) for k, w in written.items())
     return value == written
+
+
+def _same_settings(value: Settings, written: dict) -> bool:
+    """A settings section as YAML writes it: ``{class_path, init_args}``, ``{init_args}`` (the section's default
+    class) or the fields alone; the class named must be the one made, and each field given must hold its value."""
+    sectioned = "class_path" in written or "init_args" in written
+    if sectioned and set(written) - {"class_path", "init_args"}:
+        return False
+    class_path = written.get("class_path")
+    if class_path is not None and class_path.rpartition(".")[2] != type(value).__name__:
+        return False
+    args = (written.get("init_args") or {}) if sectioned else written
+    fields = canonical(type(value), args, type(value).__name__)  # other projects' names, as the config read them
+    return all(hasattr(value, k) and _same(getattr(value, k), w) for k, w in fields.items())
 
 
 def _assert_unchanged(config: MuonConfig, written: dict, where: str) -> None:
@@ -90,7 +110,7 @@ def test_cli_configs_parse_unchanged(path):
     parsed = cli.config.model.init_args.muon_config
     written = yaml.safe_load(path.read_text())["model"]
     written = written.get("init_args", written)["muon_config"]
-    config = MuonConfig.from_any(vars(parsed) if not isinstance(parsed, dict) else parsed)
+    config = MuonConfig.from_any(parsed.as_dict() if not isinstance(parsed, dict) else parsed)
     _assert_unchanged(config, written, f"{path.name}: model.muon_config")
 
 
@@ -121,11 +141,28 @@ def test_every_yaml_file_is_covered():
     assert not list((ROOT / "configs").rglob("*.yml")) and not list((ROOT / "examples").rglob("*.yml"))
 
 
-def test_a_bad_choice_is_rejected_while_parsing():
-    # Literal types: jsonargparse refuses the value before any MuonConfig is built.
+def test_a_bad_choice_is_rejected_while_parsing_or_building():
+    # A plain section's Literal types: jsonargparse refuses the value before any MuonConfig is built.
     parser = jsonargparse.ArgumentParser(exit_on_error=False)
     parser.add_argument("--muon", type=MuonConfig)
-    for field, value in (("falloff", "exponential"), ("adjust_lr", "sqrt"), ("second_moment", "adam")):
-        with pytest.raises(jsonargparse.ArgumentError, match=field):
-            parser.parse_object({"muon": {field: value}})
-    assert parser.parse_object({"muon": {"falloff": "wsd"}}).muon.falloff == "wsd"
+    with pytest.raises(jsonargparse.ArgumentError, match=r"muon\.schedule\.falloff"):
+        parser.parse_object({"muon": {"schedule": {"falloff": "exponential"}}})
+    with pytest.raises(jsonargparse.ArgumentError, match=r"muon\.state\.exp_avg_dtype"):
+        parser.parse_object({"muon": {"state": {"exp_avg_dtype": "float16"}}})
+    parsed = parser.parse_object({"muon": {"schedule": {"falloff": "wsd"}}})
+    assert parsed.muon.schedule.falloff == "wsd"
+    assert instantiate(parser, parsed).muon.schedule.falloff == "wsd"
+    # A settings section's choices (a section may also be a plain dict, for other projects' names): refused
+    # when the section's settings are built, naming the section and the field as written.
+    bad = [
+        ({"init_args": {"adjust_lr": "sqrt"}}, r"MuonConfig\.matrix: adjust_lr must be one of \('original', "),
+        (
+            {"class_path": "lightning_muon.AdaptiveMuonSettings", "init_args": {"second_moment": "adam"}},
+            r"MuonConfig\.matrix: second_moment must be one of \('adamuon', 'normuon', 'namo'\), got 'adam'",
+        ),
+        ({"init_args": {"scale_mode": "sqrt"}}, r"MuonConfig\.matrix: scale_mode"),  # Emerging-Optimizers' name
+    ]
+    for matrix, message in bad:
+        parsed = parser.parse_object({"muon": {"matrix": copy.deepcopy(matrix)}})
+        with pytest.raises(ValueError, match=message):
+            instantiate(parser, parsed)

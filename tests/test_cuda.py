@@ -17,7 +17,7 @@ from fabric_modules import one_process, train
 from fsdp_modules import FSDPRegressor, trainer_kwargs
 from torch import nn
 
-from lightning_muon import Muon, MuonConfig, orthogonalize
+from lightning_muon import AdamWSettings, Muon, MuonConfig, MuonSettings, orthogonalize
 from lightning_muon.newton_schulz import FAST_BF16_ENV, resolve_ns_dtype
 
 pytestmark = [
@@ -25,7 +25,7 @@ pytestmark = [
     pytest.mark.skipif(not torch.cuda.is_available(), reason="needs a CUDA GPU"),
 ]
 
-CONFIG = MuonConfig(lr=0.02, weight_decay=0.1, ns_dtype="float32", adamw_lr=1e-2)
+CONFIG = MuonConfig(matrix=MuonSettings(lr=0.02, weight_decay=0.1, ns_dtype="float32"), scalar=AdamWSettings(lr=1e-2))
 
 
 @pytest.fixture(autouse=True)

@@ -16,13 +16,22 @@ from ddp_modules import TinyRegressor
 from lightning.pytorch.plugins.precision import MixedPrecision
 from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
 
-from lightning_muon import MuonConfig, MuonDDPStrategy
+from lightning_muon import (
+    AdamWSettings,
+    MuonConfig,
+    MuonDDPStrategy,
+    MuonHyperballSettings,
+    MuonSettings,
+    ScheduleFreeSettings,
+    ScheduleSettings,
+    StateSettings,
+)
 from lightning_muon.distributed.planning import plan_ownership
 
 pytestmark = [pytest.mark.distributed, pytest.mark.policy_free]  # policy_free: see conftest.py
 
 # fp32 Newton-Schulz: bf16 would turn reduction-order noise into percent-level differences.
-CONFIG = MuonConfig(lr=0.02, weight_decay=0.1, ns_dtype="float32", adamw_lr=1e-2)
+CONFIG = MuonConfig(matrix=MuonSettings(lr=0.02, weight_decay=0.1, ns_dtype="float32"), scalar=AdamWSettings(lr=1e-2))
 # fp32 throughout; only the gradient summation order differs (~1e-7 relative), and
 # Newton-Schulz in fp32 keeps it at that level over a few steps.
 FP32 = dict(rtol=1e-5, atol=1e-6)
@@ -97,8 +106,8 @@ def test_two_ranks_equal_one_process_and_save_every_momentum(tmp_path, clip):
 
 
 def test_muon_hyperball_matrices_are_sharded_and_equal_one_process(tmp_path):
-    """Hidden matrices on MuonHyperball (matrix_optimizer): sharded as Muon's are; owners take the norms."""
-    config = MuonConfig(**{**CONFIG.to_dict(), "matrix_optimizer": "muon_hyperball"})
+    """Hidden matrices on MuonHyperball (the matrix section): sharded as Muon's are; owners take the norms."""
+    config = MuonConfig(matrix=MuonHyperballSettings(**CONFIG.matrix.asdict()), scalar=CONFIG.scalar)
     _fit(tmp_path / "one", "auto", 1, config=config, gradient_clip_val=0.05)
     _fit(tmp_path / "two", "muon_ddp_spawn", 2, config=config, gradient_clip_val=0.05)
     ranks = _ranks(tmp_path / "two", 2)
@@ -154,7 +163,11 @@ def test_overflow_on_one_rank_skips_the_step_everywhere(tmp_path, precision):
     # Rank 1 alone overflows at step 2, in a matrix rank 0 owns. With a GradScaler every
     # rank must skip the step and lower the scale; without one, Muon(nonfinite="skip")
     # must skip it on every rank. Either way nothing hangs and the ranks stay equal.
-    config = MuonConfig(lr=0.02, weight_decay=0.1, ns_dtype="float32", adamw_lr=1e-2, nonfinite="skip")
+    config = MuonConfig(
+        matrix=MuonSettings(lr=0.02, weight_decay=0.1, ns_dtype="float32"),
+        scalar=AdamWSettings(lr=1e-2),
+        state=StateSettings(nonfinite="skip"),
+    )
     # The reference overflows at the same step on every rank it has (plain DDP reduces
     # gradients during backward, so an inf injected after it would stay on one rank).
     kwargs = dict(config=config, inject_inf=(-1, 2))
@@ -216,9 +229,7 @@ def test_schedule_free_groups_under_two_ranks_equal_one_process(tmp_path):
     # Head and biases on Schedule-Free AdamW: replicated, stepped on every rank from the
     # all-reduced gradients, like AdamW groups. The epoch-end checkpoint is saved in train
     # mode; it must come out in eval mode with the averaged weights on both strategies.
-    config = MuonConfig(
-        lr=0.02, weight_decay=0.1, ns_dtype="float32", scalar_optimizer="adamw_schedulefree", adamw_lr=1e-2, warmup=2
-    )
+    config = MuonConfig(matrix=CONFIG.matrix, scalar=ScheduleFreeSettings(lr=1e-2), schedule=ScheduleSettings(warmup=2))
     _fit(tmp_path / "one", "auto", 1, config=config)
     _fit(tmp_path / "two", "muon_ddp_spawn", 2, config=config)
     reference = _ranks(tmp_path / "one", 1)[0]

@@ -137,6 +137,11 @@ def test_the_checks_above_can_fail(tmp_path):
     assert _blocks(page) == [(3, "python", "x = 1\n", marker)]
     assert LINK.findall(page.read_text()) == ["missing.md"]
     assert _anchors(ROOT / "docs" / "routing.md") >= {"rules", "fused-qkv-per-head-splits"}
-    clash = {"model": {"init_args": {"muon_config": {"ns_coefficients": "keller", "coefficient_type": "cans"}}}}
-    with pytest.raises(AssertionError, match="coefficient_type='cans' and ns_coefficients='keller' disagree"):
+    matrix = {"class_path": "MuonSettings", "init_args": {"ns_coefficients": "keller", "coefficient_type": "cans"}}
+    clash = {"model": {"init_args": {"muon_config": {"matrix": matrix}}}}
+    with pytest.raises(
+        AssertionError,
+        match=r"page\.md:1: the YAML's muon_config is refused: MuonConfig\.matrix: coefficient_type='cans' "
+        r"\(Emerging-Optimizers' name for ns_coefficients\) and ns_coefficients='keller' disagree",
+    ):
         _check_muon_config(clash, "page.md:1")

@@ -11,13 +11,15 @@ Emerging-Optimizers 0.3.0's momentum and weight decay methods (``mixin.WeightDec
 
 ``NS`` is the quintic Newton-Schulz iteration in float64 (``muon_reference.newton_schulz64``)
 with Emerging-Optimizers' coefficient tables, spelled out here and cycled as it cycles them.
-The parity with Emerging-Optimizers itself (float32, same gradients) is checked by hand,
-outside this suite.
+The reference takes Emerging-Optimizers' keywords (``coefficient_type``, ``num_ns_steps``,
+``scale_mode``); a group given ours (``ns_coefficients``, ``ns_steps``, ``adjust_lr``) is
+compared with it through ``_eo_names``, a group given Emerging-Optimizers' as it is (the
+aliases of ``lightning_muon.aliases``). The parity with Emerging-Optimizers itself (float32,
+same gradients) is checked by hand, outside this suite.
 """
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import math
 
@@ -27,14 +29,17 @@ from muon_reference import newton_schulz64, piece_rows, random_tensors, run_step
 from torch import nn
 from torch.testing import assert_close
 
-import lightning_muon.algorithms.mop
-import lightning_muon.algorithms.polargrad
-import lightning_muon.algorithms.scion  # noqa: F401  (registers "scion"; the package imports it later)
 from lightning_muon import Muon
-from lightning_muon.algorithms import HparamError, algorithm_names, orthogonalizes
-from lightning_muon.algorithms.mop import MOPHparams, PolarFactorSVD
-from lightning_muon.algorithms.polargrad import PolarGradHparams
-from lightning_muon.algorithms.scion import ScionHparams
+from lightning_muon.algorithms import (
+    HparamError,
+    MOPSettings,
+    PolarGradSettings,
+    ScionSettings,
+    algorithm_names,
+    get_algorithm,
+    orthogonalizes,
+)
+from lightning_muon.algorithms.mop import PolarFactorSVD
 
 pytestmark = [pytest.mark.numerics, pytest.mark.policy_free]  # policy_free: see conftest.py
 
@@ -58,8 +63,25 @@ SHAPE_SCALES = {
     "spectral": lambda r, c: max(r, c) ** 0.5,
     "unit_rms_norm": lambda r, c: (r / c) ** 0.5,
 }
+# Emerging-Optimizers' keywords for ours, and its values for ours, spelled out (the library's table is
+# lightning_muon.aliases): "quintic" is our "you" up to 5 steps (it cycles past them, ours repeats the last
+# tuple), "simple" our "keller"; scale_mode "shape_scaling" is our adjust_lr "original", "unit_rms_norm" our
+# "spectral_norm".
+EO_NAMES = {"ns_steps": "num_ns_steps", "ns_coefficients": "coefficient_type", "adjust_lr": "scale_mode"}
+EO_VALUES = {
+    "ns_coefficients": {"you": "quintic", "keller": "simple"},
+    "adjust_lr": {
+        "original": "shape_scaling",
+        "spectral": "spectral",
+        "spectral_norm": "unit_rms_norm",
+        "nuclear_norm": "nuclear_norm",
+    },
+}
 # Off the defaults, so that a swapped momentum or a misplaced decay shows.
 HP = {"lr": 0.02, "momentum": 0.9}
+# PolarGrad's default fp32_matmul_prec "highest" runs Newton-Schulz in float32 (families.ns_dtype_for), float64
+# parameters too; the reference is float64.
+FLOAT64_NS = {"polargrad": {"ns_dtype": "float64"}}
 # The nuclear norm of these updates is ~10-50: an extra scale that moves the weights by ~0.05 a step.
 NUCLEAR_EXTRA = 0.25
 
@@ -116,19 +138,27 @@ def _emerging64(
     return W, B
 
 
+def _eo_names(group: dict) -> dict:
+    """``group`` in the reference's names: ours renamed and their values mapped, Emerging-Optimizers' as given."""
+    if group.get("ns_coefficients") == "you":
+        assert group.get("ns_steps", 5) <= 5, "past 5 steps Emerging-Optimizers' quintic cycles and our 'you' does not"
+    return {EO_NAMES.get(k, k): EO_VALUES[k][v] if k in EO_VALUES else v for k, v in group.items()}
+
+
 def _run(rule: str, shape, steps: int = STEPS, dtype=torch.float64, seed: int = 0, **group):
     """Our optimizer over ``steps`` random gradients: (W0, grads, parameter, optimizer)."""
     (W0,) = random_tensors([shape], seed=seed, dtype=torch.float64)
     grads = [random_tensors([shape], seed=seed + 100 + t, dtype=torch.float64)[0] for t in range(steps)]
     p = nn.Parameter(W0.to(dtype, copy=True))
-    opt = Muon([{"params": [p], "algorithm": rule, **HP, **group}])
+    pinned = FLOAT64_NS.get(rule, {}) if dtype == torch.float64 else {}
+    opt = Muon([{"params": [p], "algorithm": rule, **HP, **pinned, **group}])
     run_steps(opt, [p], [[g.to(dtype)] for g in grads])
     return W0, grads, p, opt
 
 
 def _check(rule: str, shape, **group) -> None:
     W0, grads, p, opt = _run(rule, shape, **group)
-    W_ref, B_ref = _emerging64(rule, W0, grads, **HP, **group)
+    W_ref, B_ref = _emerging64(rule, W0, grads, **HP, **_eo_names(group))
     # Same float64 math in another order (our short-side iteration, foreach updates): rounding only.
     assert_close(p.detach(), W_ref, atol=1e-11, rtol=0)
     assert_close(opt.state[p]["momentum_buffer"], B_ref, atol=1e-11, rtol=0)
@@ -143,9 +173,14 @@ def _check(rule: str, shape, **group) -> None:
     "schedule",
     [
         {"spectral_radius": 2.5},
+        # Emerging-Optimizers' names (aliases), as the reference takes them.
         {"spectral_radius": 0.5, "coefficient_type": "quintic", "num_ns_steps": 7},  # cycles the 5 tuples
         {"coefficient_type": "simple", "num_ns_steps": 6},
+        # Ours.
+        {"spectral_radius": 0.5, "ns_coefficients": "you", "ns_steps": 4},
+        {"ns_coefficients": "keller", "ns_steps": 6},
     ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
 )
 def test_scion_matches_float64_reference(shape, schedule):
     """``(1 - lr) W - lr rho sqrt(rows / cols) NS(B)``, with its fixed decay 1 and no Nesterov."""
@@ -167,12 +202,41 @@ def test_polargrad_matches_float64_reference(shape, method, nesterov):
     )
 
 
+@pytest.mark.parametrize(
+    "schedule",
+    [
+        {"coefficient_type": "simple", "num_ns_steps": 6},  # Emerging-Optimizers' names (aliases)
+        {"coefficient_type": "quintic", "num_ns_steps": 7},  # cycles the 5 tuples
+        {"ns_coefficients": "keller", "ns_steps": 6},  # ours
+    ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_polargrad_schedules_match_float64_reference(schedule):
+    """Emerging-Optimizers' ``coefficient_type`` over ``num_ns_steps`` steps, and our schedule of the same tuples."""
+    _check("polargrad", (24, 12), weight_decay=0.1, extra_scale_factor=NUCLEAR_EXTRA, **schedule)
+
+
 @pytest.mark.parametrize("shape", SHAPES)
-@pytest.mark.parametrize("scale_mode", ["nuclear_norm", "shape_scaling", "spectral", "unit_rms_norm"])
-def test_mop_matches_float64_reference(shape, scale_mode):
+@pytest.mark.parametrize(
+    "scale",
+    [
+        # Emerging-Optimizers' scale_mode (an alias), as the reference takes it.
+        {"scale_mode": "nuclear_norm"},
+        {"scale_mode": "shape_scaling"},
+        {"scale_mode": "spectral"},
+        {"scale_mode": "unit_rms_norm"},
+        # Ours, adjust_lr.
+        {"adjust_lr": "nuclear_norm"},
+        {"adjust_lr": "original"},
+        {"adjust_lr": "spectral"},
+        {"adjust_lr": "spectral_norm"},
+    ],
+    ids=lambda o: ",".join(f"{k}={v}" for k, v in o.items()),
+)
+def test_mop_matches_float64_reference(shape, scale):
     """The SVD's polar factor times the nuclear norm, or a Muon scale by shape."""
-    extra = NUCLEAR_EXTRA if scale_mode == "nuclear_norm" else 1.0
-    _check("mop", shape, weight_decay=0.1, scale_mode=scale_mode, extra_scale_factor=extra)
+    extra = NUCLEAR_EXTRA if "nuclear_norm" in scale.values() else 1.0
+    _check("mop", shape, weight_decay=0.1, extra_scale_factor=extra, **scale)
 
 
 @pytest.mark.parametrize("method", METHODS)
@@ -245,31 +309,52 @@ def test_polar_factor_svd_is_orthogonal_and_maps_zero_to_zero():
 # ---------------------------------------------------------------------------------------- keys and checks
 
 
-@pytest.mark.parametrize(
-    ("hparams", "defaults"),
-    [
-        (
-            ScionHparams,
-            dict(lr=3e-4, momentum=0.95, fp32_matmul_prec="medium", coefficient_type="quintic", num_ns_steps=5,
-                 spectral_radius=1.0, ns_dtype=None),
-        ),
-        (
-            PolarGradHparams,
-            dict(lr=3e-4, momentum=0.95, weight_decay=0.01, nesterov=False, weight_decay_method="decoupled",
-                 fp32_matmul_prec="highest", coefficient_type="quintic", num_ns_steps=5, extra_scale_factor=1.0,
-                 ns_dtype=None),
-        ),
-        (
-            MOPHparams,
-            dict(lr=3e-4, momentum=0.95, weight_decay=0.01, nesterov=False, weight_decay_method="decoupled",
-                 fp32_matmul_prec="highest", scale_mode="nuclear_norm", extra_scale_factor=1.0),
-        ),
-    ],
-)  # fmt: skip
-def test_keys_are_emerging_optimizers_names_and_defaults(hparams, defaults):
-    """The constructors' keywords and defaults (Emerging-Optimizers 0.3.0), plus our ``ns_dtype``."""
-    assert dataclasses.asdict(hparams()) == defaults
-    assert "prefix" not in {f.name for f in dataclasses.fields(hparams)}
+# Emerging-Optimizers 0.3.0's constructors: their keywords and defaults, in its names.
+EO_CONSTRUCTORS = {
+    "scion": dict(lr=3e-4, momentum=0.95, fp32_matmul_prec="medium", coefficient_type="quintic", num_ns_steps=5,
+                  spectral_radius=1.0),
+    "polargrad": dict(lr=3e-4, momentum=0.95, weight_decay=0.01, nesterov=False, weight_decay_method="decoupled",
+                      fp32_matmul_prec="highest", coefficient_type="quintic", num_ns_steps=5, extra_scale_factor=1.0),
+    "mop": dict(lr=3e-4, momentum=0.95, weight_decay=0.01, nesterov=False, weight_decay_method="decoupled",
+                fp32_matmul_prec="highest", scale_mode="nuclear_norm", extra_scale_factor=1.0),
+}  # fmt: skip
+# The same defaults in our names; what a constructor fixes (Scion: decay 1, decoupled, no Nesterov, its
+# unit_rms_norm scale; PolarGrad: no scale by shape) and our own settings (ns_dtype, ns_method, tp_mode).
+OUR_DEFAULTS = {
+    "scion": (
+        ScionSettings,
+        dict(lr=3e-4, momentum=0.95, fp32_matmul_prec="medium", ns_coefficients="you", ns_steps=5,
+             spectral_radius=1.0, weight_decay=1.0, weight_decay_method="decoupled", nesterov=False,
+             adjust_lr="spectral_norm", extra_scale_factor=1.0, ns_dtype=None, ns_method="standard",
+             tp_mode="duplicated"),
+    ),
+    "polargrad": (
+        PolarGradSettings,
+        dict(lr=3e-4, momentum=0.95, weight_decay=0.01, nesterov=False, weight_decay_method="decoupled",
+             fp32_matmul_prec="highest", ns_coefficients="you", ns_steps=5, extra_scale_factor=1.0,
+             adjust_lr="none", ns_dtype=None, ns_method="standard", tp_mode="duplicated"),
+    ),
+    "mop": (
+        MOPSettings,
+        dict(lr=3e-4, momentum=0.95, weight_decay=0.01, nesterov=False, weight_decay_method="decoupled",
+             fp32_matmul_prec="highest", adjust_lr="nuclear_norm", extra_scale_factor=1.0),
+    ),
+}  # fmt: skip
+
+
+@pytest.mark.parametrize("rule", ["scion", "polargrad", "mop"])
+def test_defaults_are_emerging_optimizers_in_our_names(rule):
+    """The settings' defaults are the constructors' (Emerging-Optimizers 0.3.0), which load by its names too."""
+    settings, ours = OUR_DEFAULTS[rule]
+    algorithm = get_algorithm(rule)
+    assert algorithm.settings is settings
+    assert settings().asdict() == ours
+    assert algorithm.make_settings(EO_CONSTRUCTORS[rule]) == settings()
+    # A group given the constructor's keywords holds ours, at the same values, and none of its names.
+    p = nn.Parameter(torch.zeros(4, 4))
+    group = Muon([{"params": [p], "algorithm": rule, **EO_CONSTRUCTORS[rule]}]).param_groups[0]
+    assert {k: group[k] for k in ours} == ours
+    assert not set(EO_NAMES.values()) & set(group)
 
 
 @pytest.mark.parametrize("rule", ["scion", "polargrad", "mop"])
@@ -284,34 +369,45 @@ def test_registered_as_orthogonalizing(rule):
         ("scion", "spectral_radius", 0.0),
         ("scion", "spectral_radius", float("nan")),
         ("scion", "num_ns_steps", 0),
-        ("scion", "coefficient_type", "keller"),
+        ("scion", "coefficient_type", "keller"),  # ours, not one of Emerging-Optimizers' names
+        ("scion", "ns_steps", 0),
+        ("scion", "ns_coefficients", "quintic"),  # Emerging-Optimizers', not one of ours
+        ("scion", "adjust_lr", "unit_rms_norm"),  # Emerging-Optimizers', not one of ours
         ("scion", "momentum", 1.0),
         ("scion", "fp32_matmul_prec", "low"),
         ("scion", "ns_dtype", "int8"),
         ("scion", "weight_decay", 0.1),  # fixed by Scion: refused, not silently replaced
         ("scion", "nesterov", True),
         ("scion", "weight_decay_method", "l2"),
-        ("polargrad", "weight_decay_method", "cautious"),
+        ("polargrad", "weight_decay_method", "adamw"),
         ("polargrad", "weight_decay", -0.1),
         ("polargrad", "extra_scale_factor", 0.0),
         ("polargrad", "nesterov", 1),
         ("polargrad", "lr", -1.0),
         ("polargrad", "num_ns_steps", 2.5),
-        ("mop", "scale_mode", "spectral_norm"),
+        ("polargrad", "ns_steps", 2.5),
+        ("polargrad", "coefficient_type", "you"),
+        ("mop", "scale_mode", "spectral_norm"),  # ours, not one of Emerging-Optimizers' scale modes
+        ("mop", "adjust_lr", "unit_rms_norm"),  # Emerging-Optimizers', not one of ours
         ("mop", "extra_scale_factor", -1.0),
         ("mop", "weight_decay_method", "adamw"),
         ("mop", "momentum", -0.1),
     ],
 )
 def test_bad_values_raise_naming_the_key(rule, key, value):
+    """In a group, in a settings dict (Emerging-Optimizers' names among them) and in the settings themselves."""
     p = nn.Parameter(torch.zeros(4, 4))
-    with pytest.raises(HparamError, match=key) as err:
+    with pytest.raises(HparamError, match=rf"^param group 0: {key}\b") as err:
         Muon([{"params": [p], "algorithm": rule, key: value}])
-    assert err.value.field.endswith(key)
-    hparams = {"scion": ScionHparams, "polargrad": PolarGradHparams, "mop": MOPHparams}[rule]
-    if key in {f.name for f in dataclasses.fields(hparams)}:  # the config's own check, with Muon's keyword
-        with pytest.raises(HparamError, match=key):
-            hparams(**{key: value})
+    assert err.value.field == key
+    algorithm = get_algorithm(rule)
+    with pytest.raises(HparamError, match=rf"^Muon\(\): {key}\b") as err:
+        algorithm.make_settings({key: value})
+    assert err.value.field == key
+    if key in algorithm.settings.field_names():  # the settings' own check (Muon(settings=[...]), MuonConfig)
+        with pytest.raises(HparamError, match=rf"^{algorithm.settings.__name__}\.{key}\b") as err:
+            algorithm.settings(**{key: value})
+        assert err.value.field == key
 
 
 @pytest.mark.parametrize("rule", ["scion", "polargrad", "mop"])
@@ -330,7 +426,7 @@ def test_a_vector_is_refused_naming_it(rule):
         ("scion", {"spectral_radius": 2.0}),
         ("polargrad", {"nesterov": True, "weight_decay": 0.1, "extra_scale_factor": NUCLEAR_EXTRA}),
         ("mop", {"weight_decay_method": "l2", "weight_decay": 0.1, "extra_scale_factor": NUCLEAR_EXTRA}),
-        ("mop", {"scale_mode": "spectral"}),
+        ("mop", {"adjust_lr": "spectral"}),
     ],
 )
 def test_checkpoint_round_trip_equals_an_uninterrupted_run(rule, group):

@@ -4,12 +4,13 @@ Under FSDP2 (``MuonFSDPSharding``, Shard(0) row blocks: the owner gathers a weig
 project or map it) and DDP (``MuonSharding``: owners hold whole weights) on 2 gloo ranks, both
 equal one process. The references are written here from the formulas (Emerging-Optimizers 0.3.0's ``Spel`` and
 ``SinkhornMuon``), with its quintic coefficients spelled out, so that the mapping of
-``coefficient_type="quintic"`` onto our schedules is under test too.
+``coefficient_type="quintic"`` onto our schedules (our default "you"; the alias, cycled past 5
+steps) is under test too, and its ``scale_mode`` names beside our ``adjust_lr``.
 """
 
 from __future__ import annotations
 
-import dataclasses
+import functools
 import io
 import math
 
@@ -20,10 +21,9 @@ from muon_reference import newton_schulz64, random_tensors, run_steps
 from torch import nn
 from torch.testing import assert_close
 
-from lightning_muon import Muon
-from lightning_muon.algorithms.checks import HparamError
-from lightning_muon.algorithms.sinkhorn_muon import SinkhornHparams, sinkhorn_knopp
-from lightning_muon.algorithms.spel import SpelHparams
+from lightning_muon import Muon, MuonConfig
+from lightning_muon.algorithms import HparamError, SinkhornMuonSettings, SpelSettings, get_algorithm
+from lightning_muon.algorithms.sinkhorn_muon import sinkhorn_knopp
 
 pytestmark = [pytest.mark.numerics, pytest.mark.policy_free]  # policy_free: see conftest.py
 
@@ -35,12 +35,15 @@ QUINTIC = [
     (2.8769, -3.1427, 1.2046),
     (2.8366, -3.0525, 1.2012),
 ]
+SIMPLE = [(3.4445, -4.7750, 2.0315)]  # its "simple"
 # Emerging-Optimizers' get_muon_scale_factor(out, in, mode).
 SCALE = {
     "shape_scaling": lambda o, i: math.sqrt(max(1.0, o / i)),
     "spectral": lambda o, i: math.sqrt(max(o, i)),
     "unit_rms_norm": lambda o, i: math.sqrt(o / i),
 }
+# Our adjust_lr for each of its scale modes, spelled out (the library's table is lightning_muon.aliases).
+ADJUST_LR = {"shape_scaling": "original", "spectral": "spectral", "unit_rms_norm": "spectral_norm"}
 METHODS = ("decoupled", "independent", "l2", "palm")
 SHAPES = [(16, 16), (24, 12), (12, 24)]
 STEPS = 8
@@ -49,11 +52,12 @@ STEPS = 8
 # ------------------------------------------------------------------ float64 references
 
 
-def msign64(M: torch.Tensor) -> torch.Tensor:
-    return newton_schulz64(M, QUINTIC, steps=5)
+def msign64(M: torch.Tensor, steps: int = 5, table: list = QUINTIC) -> torch.Tensor:
+    """Emerging-Optimizers' Newton-Schulz over ``steps`` steps, its tuples cycled as it cycles them."""
+    return newton_schulz64(M, [table[i % len(table)] for i in range(steps)], steps=steps)
 
 
-def emerging_loop64(W0, grads, *, lr, momentum, weight_decay, nesterov, method, scale, post):
+def emerging_loop64(W0, grads, *, lr, momentum, weight_decay, nesterov, method, scale, post, msign=msign64):
     """Emerging-Optimizers' orthogonalized step in float64: decay, EMA momentum, ``W - lr scale msign(U)``, post."""
     W = W0.to(torch.float64, copy=True)
     B = torch.zeros_like(W)
@@ -66,7 +70,7 @@ def emerging_loop64(W0, grads, *, lr, momentum, weight_decay, nesterov, method, 
             W = W - factor[method] * W
         B = momentum * B + (1 - momentum) * G
         U = (1 - momentum) * G + momentum * B if nesterov else B
-        W = post(W - lr * scale * msign64(U))
+        W = post(W - lr * scale * msign(U))
     return W, B
 
 
@@ -105,6 +109,35 @@ def test_spel_matches_float64_reference(shape, method):
     assert_close(p.detach(), W_ref, atol=1e-11, rtol=0)
     assert_close(opt.state[p]["momentum_buffer"], B_ref, atol=1e-11, rtol=0)
     assert (W_ref - msign64(W0)).abs().max() > 0.05  # the steps moved the weight along the manifold
+
+
+@pytest.mark.parametrize(
+    ("schedule", "table", "steps"),
+    [
+        # Emerging-Optimizers' names (aliases), as the reference takes them.
+        ({"coefficient_type": "quintic", "num_ns_steps": 5}, QUINTIC, 5),
+        # Cycles the 5 tuples twice. (7 steps would end on the first two tuples, which map the projected
+        # weight's singular values, near 1, to near 0.12 and back: a map that grows rounding 1e7-fold.)
+        ({"coefficient_type": "quintic", "num_ns_steps": 10}, QUINTIC, 10),
+        ({"coefficient_type": "simple", "num_ns_steps": 6}, SIMPLE, 6),
+        # Ours.
+        ({"ns_coefficients": "you", "ns_steps": 5}, QUINTIC, 5),
+        ({"ns_coefficients": "keller", "ns_steps": 6}, SIMPLE, 6),
+    ],
+    ids=["quintic-5", "quintic-10", "simple-6", "you-5", "keller-6"],
+)
+def test_spel_schedules_match_float64_reference(schedule, table, steps):
+    """Emerging-Optimizers' ``coefficient_type``/``num_ns_steps`` and our ``ns_coefficients``/``ns_steps``, both
+    matrix signs (the update's and the weight's) with them."""
+    W0, grads = _problem((24, 12), seed=1)
+    hp = dict(lr=0.05, momentum=0.9, weight_decay=0.1, nesterov=True)
+    p = nn.Parameter(W0.clone())
+    opt = Muon([{"params": [p], "algorithm": "spel", **hp, **schedule}])
+    run_steps(opt, [p], [[g] for g in grads])
+    msign = functools.partial(msign64, steps=steps, table=table)
+    W_ref, B_ref = emerging_loop64(W0, grads, **hp, method="decoupled", scale=1.0, post=msign, msign=msign)
+    assert_close(p.detach(), W_ref, atol=1e-11, rtol=0)
+    assert_close(opt.state[p]["momentum_buffer"], B_ref, atol=1e-11, rtol=0)
 
 
 def test_spel_float32_and_every_piece_of_a_split_weight():
@@ -150,23 +183,28 @@ def test_spel_weights_have_singular_values_in_the_quintic_band():
 # ------------------------------------------------------------------ Sinkhorn-Muon
 
 
-def _sinkhorn_case(shape, *, scale_mode="spectral", extra=1.0, method="decoupled", nesterov=False):
+def _sinkhorn_case(shape, *, scale_mode="spectral", extra=1.0, method="decoupled", nesterov=False, names="ours"):
+    """Our run and the reference's; ``names``: the scale given as our ``adjust_lr`` or as Emerging-Optimizers'
+    ``scale_mode`` (an alias)."""
     W0, grads = _problem(shape, seed=4, sinkhorn=True)
     hp = dict(lr=0.05, momentum=0.9, weight_decay=0.1, nesterov=nesterov)
     p = nn.Parameter(W0.clone())
     group = {"params": [p], "algorithm": "sinkhorn_muon", **hp, "weight_decay_method": method}
-    opt = Muon([{**group, "scale_mode": scale_mode, "extra_scale_factor": extra}])
+    scale_key = {"scale_mode": scale_mode} if names == "eo" else {"adjust_lr": ADJUST_LR[scale_mode]}
+    opt = Muon([{**group, **scale_key, "extra_scale_factor": extra}])
     run_steps(opt, [p], [[g] for g in grads])
     scale = SCALE[scale_mode](*shape) * extra
     W_ref, B_ref = emerging_loop64(W0, grads, **hp, method=method, scale=scale, post=sinkhorn64)
     return p, opt, W0, W_ref, B_ref
 
 
+@pytest.mark.parametrize("names", ["eo", "ours"])
 @pytest.mark.parametrize("scale_mode", sorted(SCALE))
 @pytest.mark.parametrize("shape", SHAPES)
-def test_sinkhorn_muon_matches_float64_reference(shape, scale_mode):
+def test_sinkhorn_muon_matches_float64_reference(shape, scale_mode, names):
     """8 steps of Emerging-Optimizers' Muon (its scale by shape), each followed by the Sinkhorn-Knopp map."""
-    p, opt, W0, W_ref, B_ref = _sinkhorn_case(shape, scale_mode=scale_mode, extra=0.5)
+    p, opt, W0, W_ref, B_ref = _sinkhorn_case(shape, scale_mode=scale_mode, extra=0.5, names=names)
+    assert opt.param_groups[0]["adjust_lr"] == ADJUST_LR[scale_mode] and "scale_mode" not in opt.param_groups[0]
     assert_close(p.detach(), W_ref, atol=1e-11, rtol=0)
     assert_close(opt.state[p]["momentum_buffer"], B_ref, atol=1e-11, rtol=0)
     assert (W_ref - W0).abs().max() > 0.01 * W0.abs().max()  # the steps moved the weight
@@ -237,35 +275,84 @@ def test_sinkhorn_tolerance_is_the_users():
 # ------------------------------------------------------------------ hyperparameters and checkpoints
 
 
-def test_defaults_are_emerging_optimizers_constructors():
-    """Spel's and SinkhornMuon's (with Muon's) constructor defaults, our ns_dtype beside them."""
-    shared = dict(momentum=0.95, nesterov=False, weight_decay_method="decoupled", fp32_matmul_prec="medium")
-    shared.update(lr=3e-4, coefficient_type="quintic", num_ns_steps=5, ns_dtype=None)
-    assert dataclasses.asdict(SpelHparams()) == {**shared, "weight_decay": 0.1}
-    assert dataclasses.asdict(SinkhornHparams()) == {
-        **shared,
-        "weight_decay": 0.01,
-        "scale_mode": "spectral",
-        "extra_scale_factor": 1.0,
-        "use_syrk": False,
-        "num_iters": 20,
-        "eps": 1e-8,
-        "doubly_stochastic_tolerance": 0.1,
-    }
-    for cls, prefix in ((SpelHparams, "spel_"), (SinkhornHparams, "sinkhorn_muon_")):
-        assert cls.prefix == prefix and "prefix" not in {f.name for f in dataclasses.fields(cls)}
+# Emerging-Optimizers 0.3.0's Spel and SinkhornMuon constructors (with Muon's): their keywords and defaults, in
+# its names.
+EO_SHARED = dict(
+    lr=3e-4,
+    momentum=0.95,
+    nesterov=False,
+    weight_decay_method="decoupled",
+    fp32_matmul_prec="medium",
+    coefficient_type="quintic",
+    num_ns_steps=5,
+)
+EO_CONSTRUCTORS = {
+    "spel": {**EO_SHARED, "weight_decay": 0.1},
+    "sinkhorn_muon": {**EO_SHARED, "weight_decay": 0.01, "scale_mode": "spectral", "extra_scale_factor": 1.0,
+                      "use_syrk": False, "num_iters": 20, "eps": 1e-8, "doubly_stochastic_tolerance": 0.1},
+}  # fmt: skip
+# The same in our names, with our own settings (ns_dtype, ns_method, tp_mode); Spel does not scale by shape.
+OUR_SHARED = dict(
+    lr=3e-4,
+    momentum=0.95,
+    nesterov=False,
+    weight_decay_method="decoupled",
+    fp32_matmul_prec="medium",
+    ns_coefficients="you",
+    ns_steps=5,
+    ns_dtype=None,
+    ns_method="standard",
+    tp_mode="duplicated",
+)
+OUR_DEFAULTS = {
+    "spel": (SpelSettings, {**OUR_SHARED, "weight_decay": 0.1, "adjust_lr": "none", "extra_scale_factor": 1.0}),
+    "sinkhorn_muon": (
+        SinkhornMuonSettings,
+        {**OUR_SHARED, "weight_decay": 0.01, "adjust_lr": "spectral", "extra_scale_factor": 1.0, "use_syrk": False,
+         "num_iters": 20, "eps": 1e-8, "doubly_stochastic_tolerance": 0.1},
+    ),
+}  # fmt: skip
 
 
+@pytest.mark.parametrize("algorithm", ["spel", "sinkhorn_muon"])
+def test_defaults_are_emerging_optimizers_constructors(algorithm):
+    """Spel's and SinkhornMuon's (with Muon's) constructor defaults in our names, which load by its names too."""
+    settings, ours = OUR_DEFAULTS[algorithm]
+    assert get_algorithm(algorithm).settings is settings
+    assert settings().asdict() == ours
+    assert get_algorithm(algorithm).make_settings(EO_CONSTRUCTORS[algorithm]) == settings()
+    # A group given the constructor's keywords holds ours, at the same values, and none of its names.
+    w = nn.Parameter(sinkhorn_knopp(torch.zeros(4, 4)))
+    group = Muon([{"params": [w], "algorithm": algorithm, **EO_CONSTRUCTORS[algorithm]}]).param_groups[0]
+    assert {k: group[k] for k in ours} == ours
+    assert not {"coefficient_type", "num_ns_steps", "scale_mode"} & set(group)
+
+
+# How an error names one of Emerging-Optimizers' keywords (an alias of one of ours).
+EO_NAME_OF = r"\(Emerging-Optimizers' name for {}\)"
 BAD = [
     ("spel", "lr", -1.0, r"lr must be a finite number in \[0.0, inf\), got -1.0"),
     ("spel", "momentum", 1.0, r"momentum must be a finite number in \[0.0, 1.0\), got 1.0"),
-    ("spel", "num_ns_steps", 0, r"num_ns_steps must be a positive int, got 0"),
-    ("spel", "coefficient_type", "you", r"coefficient_type must be one of \('simple', .*got 'you'"),
-    ("spel", "weight_decay_method", "cautious", r"weight_decay_method must be one of .*got 'cautious'"),
+    ("spel", "num_ns_steps", 0, r"num_ns_steps " + EO_NAME_OF.format("ns_steps") + r" must be a positive int, got 0"),
+    (
+        "spel",
+        "coefficient_type",
+        "you",
+        r"coefficient_type " + EO_NAME_OF.format("ns_coefficients") + r" must be one of \('simple', .*got 'you'",
+    ),
+    ("spel", "ns_steps", 0, r"ns_steps must be a positive int, got 0"),
+    ("spel", "ns_coefficients", "quintic", r"ns_coefficients .*unknown schedule 'quintic'"),
+    ("spel", "weight_decay_method", "adamw", r"weight_decay_method must be one of .*got 'adamw'"),
     ("sinkhorn_muon", "num_iters", 0, r"num_iters must be a positive int, got 0"),
     ("sinkhorn_muon", "eps", 0.0, r"eps must be a finite number in \(0.0, inf\), got 0.0"),
     ("sinkhorn_muon", "doubly_stochastic_tolerance", -0.1, r"doubly_stochastic_tolerance must be .* got -0.1"),
-    ("sinkhorn_muon", "scale_mode", "original", r"scale_mode must be one of \('shape_scaling', .*got 'original'"),
+    (
+        "sinkhorn_muon",
+        "scale_mode",
+        "original",
+        r"scale_mode " + EO_NAME_OF.format("adjust_lr") + r" must be one of \('shape_scaling', .*got 'original'",
+    ),
+    ("sinkhorn_muon", "adjust_lr", "unit_rms_norm", r"adjust_lr must be one of \('original', .*got 'unit_rms_norm'"),
     ("sinkhorn_muon", "extra_scale_factor", 0.0, r"extra_scale_factor must be a finite number in \(0.0, inf\)"),
     ("sinkhorn_muon", "use_syrk", 1, r"use_syrk must be a bool, got 1"),
 ]
@@ -277,10 +364,15 @@ def test_bad_values_raise_naming_the_key(algorithm, key, value, match):
     with pytest.raises(HparamError, match=r"param group 0: " + match) as err:
         Muon([{"params": [w], "algorithm": algorithm, key: value}])
     assert err.value.field == key
-    prefix = {"spel": SpelHparams, "sinkhorn_muon": SinkhornHparams}[algorithm].prefix
-    with pytest.raises(HparamError, match=rf"{prefix}" + match) as err:
-        Muon([w], **{prefix + key: value})  # the flat keyword (spel_lr, ...), as MuonConfig's field
-    assert err.value.field == prefix + key
+    # The settings of a config (MuonConfig.others, as YAML gives them; Emerging-Optimizers' names among them).
+    settings = get_algorithm(algorithm).settings
+    with pytest.raises(HparamError, match=r"MuonConfig\.others\[0\]: " + match) as err:
+        MuonConfig(others=[{"class_path": settings.__name__, "init_args": {key: value}}])
+    assert err.value.field == key
+    if key in settings.field_names():  # the settings themselves (Muon(settings=[...]), MuonConfig(others=[...]))
+        with pytest.raises(HparamError, match=rf"{settings.__name__}\." + match) as err:
+            settings(**{key: value})
+        assert err.value.field == key
 
 
 @pytest.mark.parametrize("algorithm", ["spel", "sinkhorn_muon"])

@@ -10,6 +10,7 @@ import sys
 from pathlib import Path
 
 import pytest
+import yaml
 
 ROOT = Path(__file__).resolve().parents[1]
 
@@ -51,13 +52,15 @@ def test_lightning_cli_example_runs_from_its_yaml(tmp_path):
         str(ROOT / "examples/lightning_cli/config.yaml"),
         "--trainer.max_epochs=1",
         "--trainer.limit_train_batches=3",
-        "--model.muon_config.lr=0.03",
+        "--model.muon_config.matrix.init_args.lr=0.03",
         f"--trainer.default_root_dir={tmp_path}",
         cwd=tmp_path,
     )
-    # The CLI saved the config it ran with, the override included.
-    saved = next(tmp_path.rglob("config.yaml")).read_text()
-    assert "lr: 0.03" in saved
+    # The CLI saved the config it ran with, the override included, beside the section's other settings.
+    saved = yaml.safe_load(next(tmp_path.rglob("config.yaml")).read_text())["model"]["muon_config"]
+    assert saved["matrix"]["class_path"].rpartition(".")[2] == "MuonSettings"
+    assert (saved["matrix"]["init_args"]["lr"], saved["matrix"]["init_args"]["momentum"]) == (0.03, 0.95)
+    assert saved["schedule"]["falloff"] == "cosine"
 
 
 def test_main_job_writes_report_plot_and_json(tmp_path):

@@ -14,7 +14,17 @@ import torch
 from ddp_modules import TinyRegressor
 from torch import nn
 
-from lightning_muon import Muon, MuonConfig, MuonDDPStrategy, MuonFSDPStrategy, Rule, route_parameters
+from lightning_muon import (
+    AdamWSettings,
+    Muon,
+    MuonConfig,
+    MuonDDPStrategy,
+    MuonFSDPStrategy,
+    MuonSettings,
+    Rule,
+    ScheduleSettings,
+    route_parameters,
+)
 from lightning_muon.strategies._checkpoint import CheckpointReadError, explained_reads
 
 ROOT = Path(__file__).resolve().parents[1]
@@ -161,7 +171,7 @@ def _fit_tiny(tmp_path, config: MuonConfig, steps: int = 3, **trainer_kwargs) ->
 
 def test_nan_error_names_the_bad_parameter_even_with_clipping(tmp_path):
     """Clipping spreads head.bias's NaN to every gradient; the error still names head.bias."""
-    config = MuonConfig(lr=0.02, ns_dtype="float32", adamw_lr=1e-2)
+    config = MuonConfig(matrix=MuonSettings(lr=0.02, ns_dtype="float32"), scalar=AdamWSettings(lr=1e-2))
     with pytest.raises(
         FloatingPointError, match=r"non-finite gradient in param group \d \('\w+'\), parameter \d 'head\.bias'"
     ):
@@ -173,7 +183,9 @@ def test_nan_error_names_the_bad_parameter_even_with_clipping(tmp_path):
 
 @pytest.mark.parametrize("falloff", ["constant", "inverse_sqrt", "cosine"])
 def test_warmup_longer_than_the_run_raises_for_every_falloff(tmp_path, falloff):
-    config = MuonConfig(lr=0.02, ns_dtype="float32", warmup=100, falloff=falloff)
+    config = MuonConfig(
+        matrix=MuonSettings(lr=0.02, ns_dtype="float32"), schedule=ScheduleSettings(warmup=100, falloff=falloff)
+    )
     with pytest.raises(ValueError, match=r"warmup \(100\) \+ \w+ \(\d+\) steps exceed total_steps \(4\)"):
         _fit_tiny(tmp_path, config, steps=4)
 

@@ -13,12 +13,18 @@ from muon_reference import hyperball64, random_tensors, run_steps
 from torch import nn
 from torch.testing import assert_close
 
-from lightning_muon import Muon, MuonConfig
+from lightning_muon import Muon, MuonConfig, MuonHyperballSettings
 
 pytestmark = [pytest.mark.numerics, pytest.mark.policy_free]  # policy_free: see conftest.py
 
 HB = "muon_hyperball"
 HP = dict(lr=0.05, momentum=0.9, weight_decay=0.1)
+
+
+def hyperball(params, **settings) -> Muon:
+    """A ``Muon`` whose muon_hyperball groups start from ``MuonHyperballSettings(**settings)`` (Muon's own
+    keywords set "muon" groups only)."""
+    return Muon(params, settings=[MuonHyperballSettings(**settings)])
 
 
 def _norm(t: torch.Tensor) -> float:
@@ -36,7 +42,7 @@ def test_matches_float64_reference(radius, shape, dtype):
     ns_dtype = "float32" if dtype == torch.float32 else None  # None keeps float64 in float64
     # adjust_lr scales O before it is normalized: it must change nothing (the reference has none).
     group = {"params": [p], "algorithm": HB, "hyperball_radius": radius, "adjust_lr": "match_rms_adamw"}
-    opt = Muon([group], **HP, ns_dtype=ns_dtype)
+    opt = hyperball([group], **HP, ns_dtype=ns_dtype)
     run_steps(opt, [p], [[g.to(dtype)] for g in grads])
     W_ref, B_ref = hyperball64(W0, grads, **HP, radius=radius)
     # float64: the same math, the new norm by expansion instead of directly: rounding only.
@@ -56,7 +62,7 @@ def test_split_matrices_are_orthogonalized_apart_and_normalized_together():
     (W0,) = random_tensors([(12, 4)], seed=3, dtype=torch.float64)
     grads = [random_tensors([(12, 4)], seed=30 + t, dtype=torch.float64)[0] for t in range(5)]
     p = nn.Parameter(W0.clone())
-    opt = Muon([{"params": [p], "algorithm": HB, "split_sizes": [2, 1, 1]}], **HP)
+    opt = hyperball([{"params": [p], "algorithm": HB, "split_sizes": [2, 1, 1]}], **HP)
     run_steps(opt, [p], [[g] for g in grads])
     W_ref, _ = hyperball64(W0, grads, **HP, split_sizes=[2, 1, 1])
     assert_close(p.detach(), W_ref, atol=1e-12, rtol=0)
@@ -73,7 +79,7 @@ def test_every_kind_of_parameter_stays_on_its_sphere():
     ]
     before = [_norm(p) for p in params]
     experts_before = [_norm(e) for e in params[2]]
-    opt = Muon(
+    opt = hyperball(
         [
             {"params": [params[0], params[1], params[3]], "algorithm": HB},
             {"params": [params[2]], "algorithm": HB, "batched": True},
@@ -100,7 +106,7 @@ def test_zero_lr_step_changes_nothing(radius, grads):
     p = nn.Parameter(torch.randn(5, 4))
     before = p.detach().clone()
     group = {"params": [p], "algorithm": HB, "hyperball_radius": radius}
-    opt = Muon([group], lr=0.0, weight_decay=0.1, ns_dtype="float32")
+    opt = hyperball([group], lr=0.0, weight_decay=0.1, ns_dtype="float32")
     for _ in range(2):
         p.grad = torch.randn_like(p) if grads == "random" else torch.zeros_like(p)
         opt.step()
@@ -118,7 +124,7 @@ def test_a_fixed_radius_resumes_exactly():
 
     def make(w):
         p = nn.Parameter(w.clone())
-        return p, Muon([{"params": [p], "algorithm": HB, "hyperball_radius": 1.5}], ns_dtype="float32")
+        return p, hyperball([{"params": [p], "algorithm": HB, "hyperball_radius": 1.5}], ns_dtype="float32")
 
     p, opt = make(W0)
     run_steps(opt, [p], [[g] for g in grads[:3]])
@@ -135,9 +141,9 @@ def test_a_fixed_radius_resumes_exactly():
 
 
 def test_config_trains_hidden_matrices_with_it():
-    """MuonConfig.matrix_optimizer routes the hidden matrices to it; algorithm_defaults sets its radius."""
+    """MuonConfig's matrix section (MuonHyperballSettings) routes the hidden matrices to it and sets its radius."""
     model = nn.Sequential(nn.Embedding(16, 8), nn.Linear(8, 8), nn.Tanh(), nn.Linear(8, 16))
-    config = MuonConfig(matrix_optimizer=HB, algorithm_defaults={HB: {"hyperball_radius": 2.0}})
+    config = MuonConfig(matrix=MuonHyperballSettings(hyperball_radius=2.0))
     optimizer, _ = config.build(model)
     groups = {g["name"]: g for g in optimizer.param_groups}
     assert groups[HB]["algorithm"] == HB and groups[HB]["hyperball_radius"] == 2.0
@@ -157,14 +163,20 @@ def test_an_all_zero_parameter_is_refused_by_name():
         ({"hyperball_radius": 0.0}, r"hyperball_radius must be a finite number in \(0.0, inf\), got 0.0"),
         ({"hyperball_radius": float("inf")}, r"hyperball_radius must be a finite number .* got inf"),
         ({"hyperball_eps": -1e-8}, r"hyperball_eps must be a finite number in \(0.0, inf\), got -1e-08"),
-        ({"weight_decay_form": "cautious"}, r"muon_hyperball decays before .* must be 'decoupled', got 'cautious'"),
+        # It decays before it measures the radius: decoupled decay only.
+        ({"weight_decay_method": "cautious"}, r"weight_decay_method must be one of \('decoupled',\), got 'cautious'"),
     ],
 )
 def test_bad_settings_are_refused_naming_the_key(settings, match):
+    """In a param group, in MuonHyperballSettings and in a config's matrix section."""
     w = nn.Parameter(torch.ones(4, 3))
-    with pytest.raises(ValueError, match=r"param group 0: " + match):
+    (field,) = settings
+    with pytest.raises(ValueError, match=r"param group 0: " + match) as info:
         Muon([{"params": [w], "algorithm": HB, **settings}])
-    own = {k: v for k, v in settings.items() if k.startswith("hyperball")}
-    if own:
-        with pytest.raises(ValueError, match=r"algorithm_defaults\['muon_hyperball'\]: " + match):
-            Muon([w], algorithm_defaults={HB: own})
+    assert info.value.field == field
+    with pytest.raises(ValueError, match=r"MuonHyperballSettings\." + match) as info:
+        MuonHyperballSettings(**settings)
+    assert info.value.field == field
+    with pytest.raises(ValueError, match=r"MuonConfig\.matrix: " + match) as info:
+        MuonConfig(matrix={"class_path": "MuonHyperballSettings", "init_args": settings})
+    assert info.value.field == field

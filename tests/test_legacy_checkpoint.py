@@ -1,8 +1,10 @@
 """Checkpoints saved by lightning_muon 0.1.0 load and resume: the state-dict format is a contract.
 
 ``tests/data/legacy_checkpoint.pt`` was written by ``tests/data/make_legacy_checkpoint.py`` with
-the 0.1.0 optimizer (one class over six mixins). It holds the state after three steps of every
-kind of group and what two more steps gave then; today's optimizer must give the same numbers.
+the 0.1.0 optimizer of typed settings sections (``weight_decay_method``, ``fp32_matmul_prec`` in
+every Muon group; the file before it held forms no release had, whose shims were dropped). It
+holds the state after three steps of every kind of group and what two more steps gave then;
+today's optimizer must give the same numbers.
 """
 
 from __future__ import annotations
@@ -73,15 +75,17 @@ def test_a_checkpoint_of_version_0_1_resumes_as_it_did():
 
 
 def test_a_checkpoint_older_than_a_knob_takes_its_default():
-    """Groups saved before a knob existed (here: tp_mode, ns_method, sign_momentum) get its default."""
+    """Groups saved before a knob existed (here: tp_mode, ns_method, sign_momentum, fp32_matmul_prec) get its
+    default."""
     saved = _load()
     older = copy.deepcopy(saved["optimizer"])
+    knobs = ("tp_mode", "ns_method", "sign_momentum", "fp32_matmul_prec")
     for group in older["param_groups"]:
         if group["algorithm"] == "muon":
-            for key in ("tp_mode", "ns_method", "sign_momentum"):
+            for key in knobs:
                 del group[key]
     params, opt = _resume(saved, older)
     for n, p in params.items():
         assert _same(p.detach(), saved["after"][n]), n
     muon_groups = [g for g in opt.param_groups if g["algorithm"] == "muon"]
-    assert {(g["tp_mode"], g["ns_method"], g["sign_momentum"]) for g in muon_groups} == {("duplicated", "auto", False)}
+    assert {tuple(g[k] for k in knobs) for g in muon_groups} == {("duplicated", "auto", False, "medium")}

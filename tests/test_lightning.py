@@ -23,12 +23,17 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_muon import (
+    AdamWSettings,
     LRSchedule,
+    MomentumWarmup,
     Muon,
     MuonConfig,
     MuonModuleMixin,
     MuonScheduler,
+    MuonSettings,
+    RoutingSettings,
     Rule,
+    ScheduleSettings,
     build_optimizers,
     build_schedulers,
     configure_muon_optimizers,
@@ -47,7 +52,7 @@ pytestmark = pytest.mark.filterwarnings(
 
 # Newton-Schulz in float32 everywhere below: the automatic policy may pick bf16 on this
 # CPU, and bf16 turns one-ulp input differences (another reduction order) into percent-level ones.
-FP32 = {"ns_dtype": "float32"}
+FP32 = MuonSettings(ns_dtype="float32")
 
 
 class TinyNet(MuonModuleMixin, pl.LightningModule):
@@ -144,11 +149,11 @@ def test_mixin_reads_the_config_from_attribute_hparams_or_defaults():
     assert _lrs(Bare()) == {"muon": 0.02, "adamw_no_decay": 3e-4, "adamw": 3e-4}
     assert _lrs(TinyNet()) == {"muon": 0.02, "adamw_no_decay": 3e-4, "adamw": 3e-4}
     # hparams["muon_config"], from save_hyperparameters, as a MuonConfig or a dict.
-    assert _lrs(TinyNet(MuonConfig(lr=0.05)))["muon"] == 0.05
-    assert _lrs(TinyNet({"adamw_lr": 1e-3}))["adamw"] == 1e-3
+    assert _lrs(TinyNet(MuonConfig(matrix=MuonSettings(lr=0.05))))["muon"] == 0.05
+    assert _lrs(TinyNet({"scalar": {"init_args": {"lr": 1e-3}}}))["adamw"] == 1e-3  # YAML's form, AdamW by default
     # The muon_config attribute wins over hparams.
-    module = TinyNet(MuonConfig(lr=0.05))
-    module.muon_config = {"lr": 0.07}
+    module = TinyNet(MuonConfig(matrix=MuonSettings(lr=0.05)))
+    module.muon_config = {"matrix": {"init_args": {"lr": 0.07}}}
     assert _lrs(module)["muon"] == 0.07
 
     # hparams["muon"] is read too.
@@ -159,7 +164,8 @@ def test_mixin_reads_the_config_from_attribute_hparams_or_defaults():
             self.layer = nn.Linear(4, 4)
             self.head = nn.Linear(4, 2)
 
-    assert _lrs(UsesMuonKey({"lr": 0.01, "scalar_optimizer": "lion", "lion_lr": 1e-5})) == {
+    muon = {"matrix": {"init_args": {"lr": 0.01}}, "scalar": {"class_path": "LionSettings", "init_args": {"lr": 1e-5}}}
+    assert _lrs(UsesMuonKey(muon)) == {
         "muon": 0.01,
         "lion_no_decay": 1e-5,
         "lion": 1e-5,
@@ -169,7 +175,9 @@ def test_mixin_reads_the_config_from_attribute_hparams_or_defaults():
 
 def test_configure_muon_optimizers_structure():
     module = TinyNet()
-    out = configure_muon_optimizers(module, MuonConfig(momentum_warmup_steps=3))
+    out = configure_muon_optimizers(
+        module, MuonConfig(schedule=ScheduleSettings(momentum_warmup=MomentumWarmup(steps=3)))
+    )
     assert set(out) == {"optimizer", "lr_scheduler"}
     assert isinstance(out["optimizer"], Muon)
     scheduler_config = out["lr_scheduler"]
@@ -184,7 +192,7 @@ def test_configure_muon_optimizers_structure():
     assert [g["name"] for g in out["optimizer"].param_groups] == ["muon", "adamw_no_decay", "adamw"]
     # Outside a Trainer, a schedule that needs the run's length says so.
     with pytest.raises(ValueError, match=r"total_steps is needed by falloff='cosine'.*set total_steps or max_steps"):
-        configure_muon_optimizers(module, {"falloff": "cosine"})
+        configure_muon_optimizers(module, {"schedule": {"falloff": "cosine"}})
 
 
 @pytest.mark.parametrize(
@@ -198,7 +206,10 @@ def test_configure_muon_optimizers_structure():
     ids=["max_steps", "max_epochs-accumulate"],
 )
 def test_total_steps_come_from_the_trainer(tmp_path, trainer_kwargs, expected_total):
-    config = MuonConfig(falloff="cosine", warmup=0.2, min_lr_ratio=0.1, **FP32)
+    config = MuonConfig(
+        matrix=FP32,
+        schedule=ScheduleSettings(falloff="cosine", warmup=0.2, min_lr_ratio=0.1),
+    )
     module = TinyNet(config)
     trainer = _trainer(tmp_path, **trainer_kwargs)
     trainer.fit(module, _loader(_data(12)))
@@ -215,7 +226,11 @@ def test_total_steps_come_from_the_trainer(tmp_path, trainer_kwargs, expected_to
 
 
 def test_learning_rate_monitor_logs_every_group_lr_and_momentum(tmp_path):
-    config = MuonConfig(lr=0.02, adamw_lr=3e-4, adamw_betas=(0.8, 0.99), warmup=2, momentum_warmup_steps=4, **FP32)
+    config = MuonConfig(
+        matrix=MuonSettings(lr=0.02, ns_dtype="float32"),
+        scalar=AdamWSettings(lr=3e-4, betas=(0.8, 0.99)),
+        schedule=ScheduleSettings(warmup=2, momentum_warmup=MomentumWarmup(steps=4)),
+    )
     logger = CSVLogger(tmp_path, name="logs")
     trainer = _trainer(
         tmp_path,
@@ -283,7 +298,7 @@ def test_gradient_clipping_reaches_the_optimizer(tmp_path, algorithm):
     trainer = _trainer(
         tmp_path, max_steps=3, gradient_clip_val=clip, gradient_clip_algorithm=algorithm, callbacks=[recorder]
     )
-    trainer.fit(TinyNet(MuonConfig(**FP32)), _loader(_data(12)))
+    trainer.fit(TinyNet(MuonConfig(matrix=FP32)), _loader(_data(12)))
     assert len(recorder.before) == len(recorder.used) == 3
     for before, used in zip(recorder.before, recorder.used):
         if algorithm == "norm":
@@ -313,7 +328,10 @@ def _manual_run(module: TinyNet, config: MuonConfig, batches: list[tuple[torch.T
 
 
 def test_accumulate_grad_batches_equals_a_doubled_batch_and_a_manual_loop(tmp_path):
-    config = MuonConfig(falloff="linear", warmup=1, total_steps=3, momentum_warmup_steps=2, **FP32)
+    config = MuonConfig(
+        matrix=FP32,
+        schedule=ScheduleSettings(falloff="linear", warmup=1, total_steps=3, momentum_warmup=MomentumWarmup(steps=2)),
+    )
     dataset = _data(24)  # 6 batches of 4 = 3 optimizer steps of 8 samples
     start = TinyNet(config)
 
@@ -352,7 +370,7 @@ class AutocastProbe(TinyNet):
 
 
 def test_bf16_mixed_fits_and_changes_parameters(tmp_path):
-    module = AutocastProbe(MuonConfig(**FP32))
+    module = AutocastProbe(MuonConfig(matrix=FP32))
     before = _params(module)
     trainer = _trainer(tmp_path, max_steps=3, precision="bf16-mixed")
     trainer.fit(module, _loader(_data(12)))
@@ -371,7 +389,7 @@ def test_16_mixed_on_cpu_falls_back_to_bf16_mixed(tmp_path):
         trainer = _trainer(tmp_path, max_steps=3, precision="16-mixed")
     assert trainer.precision == "bf16-mixed"
     assert getattr(trainer.precision_plugin, "scaler", None) is None
-    module = AutocastProbe(MuonConfig(**FP32))
+    module = AutocastProbe(MuonConfig(matrix=FP32))
     before = _params(module)
     trainer.fit(module, _loader(_data(12)))
     assert module.seen == (True, torch.bfloat16, torch.bfloat16)
@@ -398,7 +416,12 @@ def test_resume_from_checkpoint_continues_exactly(tmp_path):
     # Warmup + cosine and a momentum warmup: the scheduler's step, the momentum in the
     # optimizer's groups, Muon's buffers and AdamW's moments all have to come back.
     # total_steps comes from the trainer (max_steps=8) in every run.
-    config = MuonConfig(falloff="cosine", warmup=2, min_lr_ratio=0.1, momentum_warmup_steps=5, **FP32)
+    config = MuonConfig(
+        matrix=FP32,
+        schedule=ScheduleSettings(
+            falloff="cosine", warmup=2, min_lr_ratio=0.1, momentum_warmup=MomentumWarmup(steps=5)
+        ),
+    )
     # Every batch is the same: a resumed fit with a plain DataLoader replays one batch
     # (Lightning does so after a fit that stopped at max_steps), and with identical batches
     # that cannot change the result, so
@@ -447,14 +470,11 @@ def text_file(tmp_path: Path) -> Path:
 
 def test_save_hyperparameters_and_load_from_checkpoint(tmp_path, text_file):
     config = MuonConfig(
-        lr=0.03,
-        adjust_lr="match_rms_adamw",
-        falloff="wsd",
-        warmup=0.25,
-        cooldown=0.5,
-        momentum_warmup_steps=2,
-        rules=[Rule(name="qkv", algorithm="muon", names="*.attn.qkv.weight", options={"split_sizes": [32, 32, 32]})],
-        **FP32,
+        matrix=MuonSettings(lr=0.03, adjust_lr="match_rms_adamw", ns_dtype="float32"),
+        routing=RoutingSettings(
+            rules=[Rule(name="qkv", algorithm="muon", names="*.attn.qkv.weight", options={"split_sizes": [32, 32, 32]})]
+        ),
+        schedule=ScheduleSettings(falloff="wsd", warmup=0.25, cooldown=0.5, momentum_warmup=MomentumWarmup(steps=2)),
     )
     module = CharGPTModule(n_layer=1, n_embd=32, n_head=2, block_size=16, muon_config=config)
     data = CharTextDataModule(
@@ -489,7 +509,7 @@ class ManualNet(TinyNet):
     def configure_optimizers(self):
         config = self.resolve_muon_config()
         optimizers = build_optimizers(self, config)
-        return optimizers, build_schedulers(optimizers, config, total_steps=config.total_steps)
+        return optimizers, build_schedulers(optimizers, config, total_steps=config.schedule.total_steps)
 
     def training_step(self, batch, batch_idx):
         optimizers, schedulers = self.optimizers(), self.lr_schedulers()
@@ -507,7 +527,9 @@ class ManualNet(TinyNet):
 
 def test_list_api_under_manual_optimization_matches_the_hybrid_optimizer(tmp_path):
     config = MuonConfig(
-        falloff="cosine", warmup=1, total_steps=4, momentum_warmup_steps=2, adamw_weight_decay=0.1, **FP32
+        matrix=FP32,
+        scalar=AdamWSettings(weight_decay=0.1),
+        schedule=ScheduleSettings(falloff="cosine", warmup=1, total_steps=4, momentum_warmup=MomentumWarmup(steps=2)),
     )
     dataset = _data(16)
 
@@ -534,7 +556,7 @@ def test_build_optimizers_on_flat_params_modules_and_groups():
     torch.manual_seed(0)
     model = nn.Sequential(nn.Embedding(10, 8), nn.Linear(8, 8), nn.LayerNorm(8), nn.Linear(8, 10))
     # A flat list is split by shape only: every matrix (the embedding too) to Muon.
-    flat = build_optimizers(list(model.parameters()), {"lr": 0.01})
+    flat = build_optimizers(list(model.parameters()), {"matrix": {"init_args": {"lr": 0.01}}})
     assert [[(g["algorithm"], len(g["params"])) for g in o.param_groups] for o in flat] == [
         [("muon", 3)],
         [("adamw", 4)],  # two Linear biases, the LayerNorm's weight and bias
@@ -545,7 +567,7 @@ def test_build_optimizers_on_flat_params_modules_and_groups():
     assert [[g["name"] for g in o.param_groups] for o in routed] == [["muon"], ["adamw", "adamw_no_decay"]]
     assert [p is model[1].weight for p in routed[0].param_groups[0]["params"]] == [True]
     # Lion as the scalar optimizer: Muon first, then Lion.
-    lion = build_optimizers(model, {"scalar_optimizer": "lion"})
+    lion = build_optimizers(model, {"scalar": {"class_path": "LionSettings"}})
     assert [{g["algorithm"] for g in o.param_groups} for o in lion] == [{"muon"}, {"lion"}]
     # Param-group dicts are taken as they are.
     groups = [
@@ -557,13 +579,18 @@ def test_build_optimizers_on_flat_params_modules_and_groups():
 
 
 def test_list_api_in_a_plain_pytorch_loop():
-    config = MuonConfig(falloff="linear", warmup=2, min_lr_ratio=0.2, momentum_warmup_steps=2, **FP32)
+    config = MuonConfig(
+        matrix=FP32,
+        schedule=ScheduleSettings(
+            falloff="linear", warmup=2, min_lr_ratio=0.2, momentum_warmup=MomentumWarmup(steps=2)
+        ),
+    )
     torch.manual_seed(0)
     model = nn.Sequential(nn.Linear(8, 16), nn.Tanh(), nn.Linear(16, 16), nn.Tanh(), nn.Linear(16, 4))
     reference = copy.deepcopy(model)
     optimizers = build_optimizers(model, config)
     schedulers = build_schedulers(optimizers, config, total_steps=6)
-    ref_optimizer = Muon(route_parameters(reference), **config.optimizer_kwargs())
+    ref_optimizer = Muon.from_config(route_parameters(reference), config.optimizer)
     ref_scheduler = MuonScheduler(ref_optimizer, config.lr_schedule(6), config.momentum_warmup())
     x, y = _data(8).tensors
     # Linear: W=2, decay over 4 steps to 0.2: 0.5, 1, 1, 0.8, 0.6, 0.4.

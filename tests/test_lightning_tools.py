@@ -32,7 +32,7 @@ from lightning.pytorch.tuner import Tuner
 from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
-from lightning_muon import MuonConfig, MuonModuleMixin, Rule
+from lightning_muon import AdamWSettings, MuonConfig, MuonModuleMixin, MuonSettings, RoutingSettings, Rule
 from lightning_muon.callbacks import MaxStepsProgressBar
 
 pytestmark = pytest.mark.filterwarnings(
@@ -41,7 +41,7 @@ pytestmark = pytest.mark.filterwarnings(
 )
 
 # float32 Newton-Schulz: exact comparisons must not depend on this host's bf16 policy.
-CONFIG = {"lr": 0.02, "adamw_lr": 3e-4, "ns_dtype": "float32"}
+CONFIG = {"matrix": MuonSettings(lr=0.02, ns_dtype="float32"), "scalar": AdamWSettings(lr=3e-4)}
 ADAMW_SHARE = 3e-4 / 0.02  # AdamW's lr over Muon's
 
 
@@ -184,7 +184,10 @@ def test_a_checkpoint_taken_after_the_unfreeze_resumes_exactly(tmp_path):
 
 # A rule with an lr of its own: the finder must keep that ratio too.
 FINDER_CONFIG = dict(
-    CONFIG, rules=[Rule(name="first", algorithm="muon", names="backbone.0.weight", options={"lr": 0.01})]
+    CONFIG,
+    routing=RoutingSettings(
+        rules=[Rule(name="first", algorithm="muon", names="backbone.0.weight", options={"lr": 0.01})]
+    ),
 )
 SHARES = {"first": 0.5, "muon": 1.0, "adamw_no_decay": ADAMW_SHARE, "adamw": ADAMW_SHARE}
 
@@ -208,9 +211,9 @@ def test_tuner_lr_find_sweeps_one_factor_and_the_next_fit_trains_at_the_suggesti
     # update_attr=True: the config takes it, every other lr by the same factor, in the hparams
     # (where checkpoints keep them).
     config = model.resolve_muon_config()
-    assert model.lr == config.lr == suggestion and model.hparams["muon_config"] is config
-    assert config.adamw_lr == pytest.approx(3e-4 * suggestion / 0.02, rel=1e-12)
-    assert config.rules[0].options["lr"] == pytest.approx(0.01 * suggestion / 0.02, rel=1e-12)
+    assert model.lr == config.matrix.lr == suggestion and model.hparams["muon_config"] is config
+    assert config.scalar.lr == pytest.approx(3e-4 * suggestion / 0.02, rel=1e-12)
+    assert config.routing.rules[0].options["lr"] == pytest.approx(0.01 * suggestion / 0.02, rel=1e-12)
     # The fit that follows: its first step at the suggestion, in the configured ratios.
     model.steps.clear()
     trainer.fit(model, _loader(128))

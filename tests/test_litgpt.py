@@ -12,7 +12,7 @@ import litgpt.model as litgpt_model
 import pytest
 import torch
 
-from lightning_muon import Muon, MuonConfig
+from lightning_muon import Muon, MuonConfig, RoutingSettings
 from lightning_muon.layout import MatrixLayout
 
 pytestmark = pytest.mark.policy_free  # policy_free: see conftest.py
@@ -20,6 +20,7 @@ pytestmark = pytest.mark.policy_free  # policy_free: see conftest.py
 N_HEAD, GROUPS, N_EMBD = 4, 2, 64
 HEAD = N_EMBD // N_HEAD
 SHAPES = [N_HEAD * HEAD, GROUPS * HEAD, GROUPS * HEAD]  # 64, 32, 32
+SPLIT_QKV = MuonConfig(routing=RoutingSettings(split_qkv=True, qkv_split_shapes=SHAPES))
 
 
 def _gpt(**overrides) -> torch.nn.Module:
@@ -42,7 +43,7 @@ def _gpt(**overrides) -> torch.nn.Module:
 
 
 def test_routing_of_a_tiny_gpt():
-    groups = MuonConfig(split_qkv=True, qkv_split_shapes=SHAPES).routing.build(_gpt())
+    groups = SPLIT_QKV.routing_config.build(_gpt())
     by_name = {g["name"]: g for g in groups}
     assert by_name["adamw"]["param_names"] == ["lm_head.weight", "transformer.wte.weight"]
     assert by_name["adamw_no_decay"]["weight_decay"] == 0.0 and len(by_name["adamw_no_decay"]["params"]) == 5
@@ -84,9 +85,7 @@ def test_split_qkv_pieces_are_litgpts_own_q_k_v():
     finally:
         litgpt_model.apply_rope = apply_rope
         del attn.scaled_dot_product_attention
-    group = next(
-        g for g in MuonConfig(split_qkv=True, qkv_split_shapes=SHAPES).routing.build(model) if "split_sizes" in g
-    )
+    group = next(g for g in SPLIT_QKV.routing_config.build(model) if "split_sizes" in g)
     q_w, k_w, v_w = MatrixLayout(group["split_sizes"]).views(attn.qkv.weight.detach())
 
     def heads(w: torch.Tensor) -> torch.Tensor:  # (B, heads, T, hs), as litgpt arranges them
@@ -102,7 +101,7 @@ def test_split_qkv_pieces_are_litgpts_own_q_k_v():
 
 def test_a_muon_step_with_split_qkv_trains():
     model = _gpt()
-    groups = MuonConfig(split_qkv=True, qkv_split_shapes=SHAPES, ns_dtype="float32").routing.build(model)
+    groups = SPLIT_QKV.routing_config.build(model)
     optimizer = Muon(groups, lr=0.02, ns_dtype="float32")
     tokens = torch.randint(256, (4, 17), generator=torch.Generator().manual_seed(2))
     losses = []

@@ -13,7 +13,15 @@ from torch import nn
 from torch.testing import assert_close
 from transformers import AutoConfig, AutoModelForCausalLM
 
-from lightning_muon import Muon, MuonConfig, MuonModuleMixin, Rule, route_parameters
+from lightning_muon import (
+    Muon,
+    MuonConfig,
+    MuonHyperballSettings,
+    MuonModuleMixin,
+    MuonSettings,
+    Rule,
+    route_parameters,
+)
 from lightning_muon.layout import MatrixLayout
 
 pytestmark = [pytest.mark.numerics, pytest.mark.policy_free]
@@ -58,13 +66,19 @@ VARIANTS = {
     # expert for a split gate/up stack, where separate Linears would take their own.
     "normuon": dict(second_moment="normuon_rms"),
     "adamuon": dict(second_moment="adamuon_rms"),
-    "cautious": dict(weight_decay_form="cautious"),
+    "cautious": dict(weight_decay_method="cautious"),
     "hyperball": dict(algorithm="muon_hyperball"),  # each expert's gate, up and down on its own sphere
-    "hyperball-radius": dict(
-        algorithm="muon_hyperball", algorithm_defaults={"muon_hyperball": {"hyperball_radius": 2.0}}
-    ),
+    "hyperball-radius": dict(algorithm="muon_hyperball", hyperball_radius=2.0),
 }
 HP = dict(lr=0.05, weight_decay=0.1, ns_dtype="float32", adjust_lr="original")
+
+
+def optimizer(params, algorithm: str, options: dict) -> Muon:
+    """``Muon`` whose ``algorithm`` groups start from HP and ``options`` (Muon's keywords, or the settings of
+    muon_hyperball, which Muon's keywords do not set)."""
+    if algorithm == "muon":
+        return Muon(params, **HP, **options)
+    return Muon(params, settings=[MuonHyperballSettings(**HP, **options)])
 
 
 def tiny(model_type: str) -> nn.Module:
@@ -118,9 +132,9 @@ def test_expert_stacks_step_like_one_linear_per_expert(model_type, variant):
         name: [nn.Parameter(m.detach().clone()) for m in linear_pieces(name, p.detach(), t, il)]
         for name, (p, t, il) in stacks.items()
     }
-    ours = Muon(groups, **HP, **options)
+    ours = optimizer(groups, algorithm, options)
     reference_group = {"params": [q for qs in reference.values() for q in qs], "algorithm": algorithm}
-    ref = Muon([reference_group], **HP, **options)
+    ref = optimizer([reference_group], algorithm, options)
     gen = torch.Generator().manual_seed(1)
     for _ in range(5):
         for name, (p, t, il) in stacks.items():
@@ -364,7 +378,7 @@ class MoELM(MuonModuleMixin, pl.LightningModule):
     def __init__(self, model_type: str) -> None:
         super().__init__()
         self.model = tiny(model_type)
-        self.muon_config = MuonConfig(**HP)
+        self.muon_config = MuonConfig(matrix=MuonSettings(**HP))
 
     def train_dataloader(self):
         ids = torch.randint(0, 64, (4, 12), generator=torch.Generator().manual_seed(5))

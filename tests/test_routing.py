@@ -11,7 +11,7 @@ from muon_reference import muon64, random_tensors
 from torch import nn
 from torch.testing import assert_close
 
-from lightning_muon import Muon, MuonConfig, Rule, route_parameters
+from lightning_muon import LionSettings, Muon, MuonConfig, RoutingSettings, Rule, route_parameters
 from lightning_muon_demo.models import CharGPT
 
 D = 16  # model width of the small transformers below
@@ -424,7 +424,7 @@ def test_scalar_algorithm_lion():
     assert by_name["lion_no_decay"]["weight_decay"] == 0.0
     assert by_name["lion"]["param_names"] == ["tok_emb.weight", "pos_emb.weight", "lm_head.weight"]
     assert by_name["muon"]["algorithm"] == "muon"
-    optimizer = Muon(groups, lion_lr=1e-4)
+    optimizer = Muon(groups, settings=[LionSettings(lr=1e-4)])
     assert {g["name"]: g["lr"] for g in optimizer.param_groups if g["algorithm"] == "lion"} == {
         "lion": 1e-4,
         "lion_no_decay": 1e-4,
@@ -574,20 +574,20 @@ class _GQAttention(nn.Module):
 def test_split_qkv_routes_fused_qkv_weights_with_megatron_split():
     """split_qkv + qkv_split_shapes: the fused weight (by name or is_qkv) is split as Megatron does."""
     model = _GQAttention()
-    config = MuonConfig(split_qkv=True, qkv_split_shapes=[4, 2, 2])
-    groups = route_parameters(model, **config.routing_kwargs())
+    config = MuonConfig(routing=RoutingSettings(split_qkv=True, qkv_split_shapes=[4, 2, 2]))
+    groups = route_parameters(model, **config.routing_config.kwargs())
     qkv = next(g for g in groups if g["name"] == "muon_qkv")
     assert qkv["param_names"] == ["linear_qkv.weight"] and qkv["split_sizes"] == [4, 2, 2]
     assert groups.assignments["proj.weight"] == "hidden_matrices"
     # Megatron's attribute works whatever the name.
     other = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2))
     other[0].weight.is_qkv = True
-    groups = route_parameters(other, **config.routing_kwargs())
+    groups = route_parameters(other, **config.routing_config.kwargs())
     assert groups.assignments["0.weight"] == "split_qkv"
     # Stepping the routed model: the QKV weight moves as the formula with Megatron's row layout says.
     W0 = model.linear_qkv.weight.detach().double().clone()
     model = model.double()
-    opt = Muon(route_parameters(model, **config.routing_kwargs()), **config.optimizer_kwargs())
+    opt = Muon.from_config(config.routing_config.build(model), config.optimizer)
     grads = random_tensors([W0.shape] * 3, seed=21, dtype=torch.float64)
     for g in grads:
         opt.zero_grad()
@@ -597,6 +597,21 @@ def test_split_qkv_routes_fused_qkv_weights_with_megatron_split():
         opt.step()
     W_ref, _, _ = muon64(W0, grads, lr=0.02, momentum=0.95, weight_decay=0.0, split_sizes=(4, 2, 2))
     assert_close(model.linear_qkv.weight.detach(), W_ref, atol=1e-12, rtol=0)
+
+
+def test_split_qkv_without_shapes_warns_naming_the_fused_weights_it_leaves_whole():
+    """split_qkv alone: a fused QKV weight other than nn.MultiheadAttention's cannot be split, is orthogonalized whole,
+    and the routing warns naming it (its rows per query group are not known)."""
+    config = MuonConfig(routing=RoutingSettings(split_qkv=True))
+    with pytest.warns(UserWarning, match=r"split_qkv: \['linear_qkv\.weight'\] look like fused QKV weights, but "
+                      r"routing\.qkv_split_shapes is not set, so they are orthogonalized whole"):  # fmt: skip
+        groups = config.routing_config.build(_GQAttention())
+    assert groups.assignments["linear_qkv.weight"] == "hidden_matrices"
+    assert not any("split_sizes" in g for g in groups)
+    # Nothing to warn about where nothing looks fused.
+    with warnings.catch_warnings():
+        warnings.simplefilter("error")
+        assert config.routing_config.build(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2)))
 
 
 def test_a_rule_that_routes_nothing_warns_and_shows_in_the_report():

@@ -21,13 +21,20 @@ from torch import nn
 from torch.utils.data import DataLoader, TensorDataset
 
 from lightning_muon import (
+    AdamWSettings,
+    LionSettings,
     LRSchedule,
+    MomentumWarmup,
     Muon,
     MuonConfig,
     MuonModuleMixin,
     MuonScheduler,
+    MuonSettings,
+    RoutingSettings,
     Rule,
     ScheduleFreeModeSwitch,
+    ScheduleFreeSettings,
+    ScheduleSettings,
     build_optimizers,
 )
 from lightning_muon.algorithms.adamw_schedulefree import schedule_free_training
@@ -206,18 +213,24 @@ def test_missing_extra_names_the_install(monkeypatch):
     with pytest.raises(ImportError, match=install):
         Muon([{"params": [torch.zeros(3, requires_grad=True)], "algorithm": SF}])
     with pytest.raises(ImportError, match=install):
-        MuonConfig(scalar_optimizer=SF)
+        MuonConfig(scalar=ScheduleFreeSettings())
     with pytest.raises(ImportError, match=install):
-        MuonConfig(rules=[Rule(name="gates", algorithm=SF, names="*.gate")])
+        MuonConfig(routing=RoutingSettings(rules=[Rule(name="gates", algorithm=SF, names="*.gate")]))
     # Nothing else needs it.
     Muon([torch.zeros(3, 3, requires_grad=True), torch.zeros(3, requires_grad=True)])
-    MuonConfig(scalar_optimizer="lion", adamw_schedulefree_lr=0.1)
+    # Schedule-Free's settings held for no group (no section or rule routes to it) need no install either.
+    MuonConfig(scalar=LionSettings(), others=[ScheduleFreeSettings(lr=0.1)])
 
 
 @pytest.mark.parametrize(
     ("knob", "value", "match"),
     [
-        ("betas", (0.0, 0.999), r"param group 0: betas\[0\] must be a finite number in \(0\.0, 1\.0\)"),
+        (
+            "betas",
+            (0.0, 0.999),
+            r"param group 0: betas must be a pair \(beta1, beta2\), beta1 in \(0, 1\) and beta2 in \[0, 1\), "
+            r"got \(0\.0, 0\.999\)",
+        ),
         ("warmup_steps", -1, r"param group 0: warmup_steps must be an int >= 0"),
         ("r", -0.5, r"param group 0: r must be"),
         ("weight_lr_power", float("inf"), r"param group 0: weight_lr_power must be"),
@@ -229,20 +242,32 @@ def test_bad_group_knobs_are_named(knob, value, match):
         Muon([{"params": [torch.zeros(3, requires_grad=True)], "algorithm": SF, knob: value}])
 
 
-def test_config_defaults_and_the_double_warmup_error():
-    config = MuonConfig(scalar_optimizer=SF, adamw_lr=1e-3, adamw_weight_decay=0.05)
-    assert config.uses_schedule_free and not MuonConfig().uses_schedule_free
+def _sf_optimizer_groups(config: MuonConfig) -> dict[str, dict]:
     module = nn.Sequential(nn.Linear(4, 4), nn.Linear(4, 2))
     optimizer = build_optimizers(module, config)
     assert [o.param_groups[0]["algorithm"] for o in optimizer] == ["muon", SF]
-    groups = {g["name"]: g for g in optimizer[1].param_groups}
-    # lr and weight decay follow the AdamW knobs unless set; the no-decay rule still applies.
+    return {g["name"]: g for g in optimizer[1].param_groups}
+
+
+def test_config_defaults_and_the_double_warmup_error():
+    config = MuonConfig(scalar=ScheduleFreeSettings(lr=1e-3, weight_decay=0.05))
+    assert config.uses_schedule_free and not MuonConfig().uses_schedule_free
+    groups = _sf_optimizer_groups(config)
+    # The section's lr and weight decay; the no-decay rule still applies.
     assert groups[SF]["lr"] == 1e-3 and groups[SF]["weight_decay"] == 0.05
     assert groups["adamw_schedulefree_no_decay"]["weight_decay"] == 0.0
     assert groups[SF]["betas"] == (0.9, 0.999)
-    with pytest.raises(ValueError, match=r"warmup=5 and adamw_schedulefree_warmup_steps=3 would warm .* twice"):
-        MuonConfig(scalar_optimizer=SF, warmup=5, adamw_schedulefree_warmup_steps=3)
-    MuonConfig(scalar_optimizer=SF, adamw_schedulefree_warmup_steps=3)  # one warmup is fine
+    # Left unset, they are Schedule-Free's own defaults, not AdamW's settings (held under others here).
+    groups = _sf_optimizer_groups(
+        MuonConfig(scalar=ScheduleFreeSettings(), others=[AdamWSettings(lr=1e-3, weight_decay=0.05)])
+    )
+    assert (groups[SF]["lr"], groups[SF]["weight_decay"]) == (3e-4, 0.0)
+    assert groups["adamw_schedulefree_no_decay"]["weight_decay"] == 0.0
+    with pytest.raises(
+        ValueError, match=r"schedule\.warmup=5 and ScheduleFreeSettings\.warmup_steps=3 would warm .* twice"
+    ):
+        MuonConfig(scalar=ScheduleFreeSettings(warmup_steps=3), schedule=ScheduleSettings(warmup=5))
+    MuonConfig(scalar=ScheduleFreeSettings(warmup_steps=3))  # one warmup is fine
 
 
 def test_scheduler_gives_schedule_free_groups_the_warmup_and_no_falloff():
@@ -342,7 +367,7 @@ def _assert_params_equal(a: dict, b: dict, **tolerance) -> None:
 
 def test_mixin_adds_the_mode_switch_only_for_schedule_free_configs():
     assert not any(isinstance(c, ScheduleFreeModeSwitch) for c in Net().configure_callbacks())
-    callbacks = Net(MuonConfig(scalar_optimizer=SF)).configure_callbacks()
+    callbacks = Net(MuonConfig(scalar=ScheduleFreeSettings())).configure_callbacks()
     assert [type(c) for c in callbacks if not isinstance(c, CheckpointChecks)] == [ScheduleFreeModeSwitch]
 
 
@@ -350,10 +375,8 @@ def test_validation_sees_the_averaged_weights_and_training_goes_on_at_the_traini
     # Every parameter schedule-free: the run must be schedulefree's own plain loop with
     # eval() around each validation and train() after it.
     config = MuonConfig(
-        default_rules=False,
-        rules=[Rule(name="all", algorithm=SF, group="all")],
-        adamw_schedulefree_lr=0.02,
-        adamw_schedulefree_weight_decay=0.01,
+        others=[ScheduleFreeSettings(lr=0.02, weight_decay=0.01)],
+        routing=RoutingSettings(default_rules=False, rules=[Rule(name="all", algorithm=SF, group="all")]),
     )
     model = Net(config)
     trainer = _trainer(tmp_path, max_steps=6, val_check_interval=2, num_sanity_val_steps=0, limit_val_batches=1)
@@ -418,13 +441,11 @@ def test_resume_from_a_mid_run_checkpoint_equals_the_uninterrupted_run(tmp_path,
     # it must hold the averaged weights and eval-mode groups, and let a new run continue
     # exactly as the run that saved it.
     config = MuonConfig(
-        scalar_optimizer=SF,
-        adamw_schedulefree_lr=0.02,
-        falloff="cosine",
-        warmup=2,
-        min_lr_ratio=0.1,
-        momentum_warmup_steps=5,
-        **FP32,
+        matrix=MuonSettings(**FP32),
+        scalar=ScheduleFreeSettings(lr=0.02),
+        schedule=ScheduleSettings(
+            falloff="cosine", warmup=2, min_lr_ratio=0.1, momentum_warmup=MomentumWarmup(steps=5)
+        ),
     )
     loader = _loader(32, identical_batches_of=4)  # a resumed fit replays one batch; identical batches hide it
     full = Net(config)

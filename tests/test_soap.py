@@ -24,7 +24,6 @@ rounding only, and only where rounding stays small:
 
 from __future__ import annotations
 
-import dataclasses
 import io
 import itertools
 
@@ -34,8 +33,8 @@ from muon_reference import random_tensors, run_steps
 from torch import nn
 
 from lightning_muon import Muon
-from lightning_muon.algorithms import HparamError, REKLSHparams, SOAPHparams
-from lightning_muon.soap_math import matmul_precision
+from lightning_muon.algorithms import HparamError, REKLSSettings, ShampooSettings, SOAPSettings, get_algorithm
+from lightning_muon.newton_schulz import matmul_precision
 
 pytestmark = [pytest.mark.numerics, pytest.mark.policy_free]  # policy_free: see conftest.py
 
@@ -232,8 +231,8 @@ def test_rekls_is_soap_with_eigh_and_kl_shampoo():
     assert torch.equal(stray, soap)
 
 
-# Emerging-Optimizers 0.3.0's constructor arguments, in order, with their defaults (lr has none
-# there; stream_list, CUDA streams, is left out), then ours.
+# Emerging-Optimizers 0.3.0's constructor arguments with their defaults (lr has none there; stream_list, CUDA
+# streams, is left out), then ours. They are our names too.
 EO_SOAP = {
     "lr": 3e-3,
     "betas": (0.9, 0.95),
@@ -255,12 +254,17 @@ EO_SOAP = {
 EO_REKLS = ["lr", "betas", "shampoo_beta", "eps", "weight_decay", "weight_decay_method"]
 
 
-def test_hparams_have_emerging_optimizers_names_and_defaults():
-    assert dataclasses.asdict(SOAPHparams()) == EO_SOAP
-    assert list(dataclasses.asdict(SOAPHparams())) == list(EO_SOAP)
-    assert dataclasses.asdict(REKLSHparams()) == {k: EO_SOAP[k] for k in EO_REKLS}
-    assert list(dataclasses.asdict(REKLSHparams())) == EO_REKLS
-    assert (SOAPHparams.prefix, REKLSHparams.prefix) == ("soap_", "rekls_")
+def test_settings_have_emerging_optimizers_names_and_defaults():
+    assert get_algorithm("soap").settings is SOAPSettings and get_algorithm("rekls").settings is REKLSSettings
+    assert SOAPSettings().asdict() == EO_SOAP
+    assert set(SOAPSettings.field_names()) == set(EO_SOAP)
+    # REKLS takes the settings SOAP and REKLS share, ShampooSettings': Emerging-Optimizers' REKLS arguments and
+    # the family's fp32_matmul_prec (SOAP's default), the rest fixed at SOAP's (use_eigh and use_kl_shampoo set).
+    assert REKLSSettings.field_names() == ShampooSettings.field_names()
+    assert REKLSSettings().asdict() == {k: EO_SOAP[k] for k in [*EO_REKLS, "fp32_matmul_prec"]}
+    # Emerging-Optimizers' constructor keywords load as they are.
+    assert get_algorithm("soap").make_settings(EO_SOAP) == SOAPSettings()
+    assert get_algorithm("rekls").make_settings({k: EO_SOAP[k] for k in EO_REKLS}) == REKLSSettings()
 
 
 def test_matmul_precision_is_scoped_and_leaves_per_backend_settings_alone():
@@ -309,15 +313,15 @@ def test_bad_values_name_their_key(key, value):
     with pytest.raises(HparamError, match=rf"param group 0: {key}") as err:
         Muon([{"params": [p], "algorithm": "soap", key: value}])
     assert err.value.field == key
-    with pytest.raises(HparamError, match=rf"Muon\(\): soap_{key}") as err:
-        SOAPHparams(**{key: value})
-    assert err.value.field == f"soap_{key}"
+    with pytest.raises(HparamError, match=rf"^SOAPSettings\.{key} ") as err:
+        SOAPSettings(**{key: value})
+    assert err.value.field == key
 
 
 def test_rekls_bad_values_name_their_key():
-    with pytest.raises(HparamError, match=r"rekls_shampoo_beta must be") as err:
-        REKLSHparams(shampoo_beta=-0.5)
-    assert err.value.field == "rekls_shampoo_beta"
+    with pytest.raises(HparamError, match=r"^REKLSSettings\.shampoo_beta must be") as err:
+        REKLSSettings(shampoo_beta=-0.5)
+    assert err.value.field == "shampoo_beta"
     with pytest.raises(HparamError, match=r"param group 0: weight_decay_method must be one of"):
         Muon([{"params": [nn.Parameter(torch.zeros(3, 2))], "algorithm": "rekls", "weight_decay_method": "x"}])
 

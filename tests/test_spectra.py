@@ -26,7 +26,7 @@ from spectra_modules import (
 )
 from torch import nn
 
-from lightning_muon import Muon, MuonConfig, UpdateSpectrumMonitor
+from lightning_muon import Muon, MuonConfig, MuonSettings, UpdateSpectrumMonitor
 from lightning_muon.callbacks._spectra import SpectrumCollector, render_heatmap
 from lightning_muon.metrics import (
     EffectiveRank,
@@ -321,7 +321,9 @@ def test_heatmap_image_rows_and_colours():
 
 
 def _demo(tmp_path, monitor, logger, steps: int, accumulate: int = 1, ckpt_path=None, **trainer_kwargs):
-    model = CharGPTModule(n_layer=2, n_embd=32, block_size=32, muon_config=MuonConfig(ns_dtype="float32"))
+    model = CharGPTModule(
+        n_layer=2, n_embd=32, block_size=32, muon_config=MuonConfig(matrix=MuonSettings(ns_dtype="float32"))
+    )
     data = CharTextDataModule(block_size=32, batch_size=4, max_chars=20_000, train_samples_per_epoch=200)
     trainer = pl.Trainer(
         accelerator="cpu",

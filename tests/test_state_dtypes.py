@@ -10,17 +10,24 @@ pinned to float32, so nothing depends on the host's bf16 policy.
 from __future__ import annotations
 
 import copy
+import dataclasses
 
 import pytest
 import torch
 from benchlib.step_table import gpt_parameters
 from torch import nn
 
-from lightning_muon import Muon, MuonConfig
+from lightning_muon import (
+    Muon,
+    MuonConfig,
+    MuonHyperballSettings,
+    ScheduleFreeSettings,
+    ScheduleSettings,
+    StateSettings,
+)
 from lightning_muon.algorithms import HparamError
 from lightning_muon.distributed.planning import plan_ownership
 from lightning_muon.distributed.protocol import Sharding
-from lightning_muon.hparams import OptimizerConfig
 
 pytestmark = [pytest.mark.numerics, pytest.mark.policy_free]  # policy_free: see conftest.py
 
@@ -286,7 +293,7 @@ def test_hyperball_takes_its_radius_on_the_master_copy():
     params = _params(dtype=torch.bfloat16)[:2]
     opt = Muon(
         [{"params": params, "algorithm": "muon_hyperball", "hyperball_radius": 3.0}],
-        ns_dtype="float32",
+        settings=[MuonHyperballSettings(ns_dtype="float32")],  # Muon's own keywords set "muon" groups only
         main_params_dtype="float32",
     )
     _grads(params, 0)
@@ -310,28 +317,32 @@ def test_a_bad_value_names_the_setting_and_its_choices(name, value, choices):
     with pytest.raises(HparamError, match=rf"^{name} must be one of {choices}, got") as info:
         Muon([nn.Parameter(torch.ones(4, 4))], **{name: value})
     assert info.value.field == name
-    with pytest.raises(ValueError, match=rf"^MuonConfig\.{name}: {name} must be one of {choices}"):
-        MuonConfig(**{name: value})
+    for make in (lambda: StateSettings(**{name: value}), lambda: MuonConfig(state={name: value})):
+        with pytest.raises(HparamError, match=rf"^{name} must be one of {choices}, got") as info:
+            make()
+        assert info.value.field == name
 
 
 def test_names_are_normalized_and_flow_from_muon_config():
-    config = MuonConfig(exp_avg_dtype="bfloat16", exp_avg_sq_dtype="bfloat16", main_params_dtype="float32")
-    assert (config.optimizer.exp_avg_dtype, config.optimizer.main_params_dtype) == ("bfloat16", "float32")
-    keywords = config.optimizer_kwargs()
+    config = MuonConfig(
+        state=StateSettings(exp_avg_dtype="bfloat16", exp_avg_sq_dtype="bfloat16", main_params_dtype="float32")
+    )
+    assert (config.optimizer.state.exp_avg_dtype, config.optimizer.state.main_params_dtype) == ("bfloat16", "float32")
+    keywords = dataclasses.asdict(config.state)  # the state section's fields are Muon's keywords
     assert {k: keywords[k] for k in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype")} == {
         "exp_avg_dtype": "bfloat16",
         "exp_avg_sq_dtype": "bfloat16",
         "main_params_dtype": "float32",
     }
-    assert OptimizerConfig.from_keywords(**keywords) == config.optimizer
-    aliases = OptimizerConfig(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype="bf16", main_params_dtype="fp32")
+    assert Muon([nn.Parameter(torch.ones(4, 4))], **keywords).config.state == config.optimizer.state
+    aliases = StateSettings(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype="bf16", main_params_dtype="fp32")
     assert (aliases.exp_avg_dtype, aliases.exp_avg_sq_dtype, aliases.main_params_dtype) == (
         "bfloat16",
         "bfloat16",
         "float32",
     )
     optimizer, _ = config.build(nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8)))
-    assert optimizer.config.exp_avg_dtype == "bfloat16"
+    assert optimizer.config.state.exp_avg_dtype == "bfloat16"
 
 
 def test_an_algorithm_that_does_not_take_a_setting_is_refused():
@@ -340,7 +351,11 @@ def test_an_algorithm_that_does_not_take_a_setting_is_refused():
     with pytest.raises(HparamError, match=r"exp_avg_sq_dtype='bfloat16' does not apply to 'adamw_schedulefree'"):
         Muon([{"params": [gain], "algorithm": "adamw_schedulefree"}], exp_avg_sq_dtype="bfloat16")
     model = nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8))
-    config = MuonConfig(scalar_optimizer="adamw_schedulefree", warmup=0, main_params_dtype="float32")
+    config = MuonConfig(
+        scalar=ScheduleFreeSettings(),
+        state=StateSettings(main_params_dtype="float32"),
+        schedule=ScheduleSettings(warmup=0),
+    )
     with pytest.raises(HparamError, match=r"main_params_dtype='float32' does not apply") as info:
         config.build(model)
     assert info.value.field == "main_params_dtype"

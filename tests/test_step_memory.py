@@ -11,7 +11,7 @@ from dist_utils import run_distributed
 from step_memory_modules import ddp_worker, fsdp_worker
 from torch.distributed._tools.mem_tracker import MemTracker
 
-from lightning_muon import Muon, MuonConfig
+from lightning_muon import Muon, MuonConfig, MuonHyperballSettings, StateSettings
 from lightning_muon.algorithms import HparamError
 from lightning_muon.layout import MatrixLayout
 from lightning_muon.step_memory import (
@@ -37,10 +37,10 @@ def test_the_setting_resolves_per_device_and_refuses_bad_values():
     assert step_memory_bytes("auto", "cuda") == AUTO_STEP_MEMORY_MB["cuda"] * MiB
     assert step_memory_bytes(None, "cpu") is None and step_memory_bytes(1.5, "cpu") == int(1.5 * MiB)
     assert (
-        MuonConfig().optimizer.step_memory_mb == "auto"
-        and MuonConfig(step_memory_mb=None).optimizer.step_memory_mb is None
+        MuonConfig().optimizer.state.step_memory_mb == "auto"
+        and MuonConfig(state=StateSettings(step_memory_mb=None)).optimizer.state.step_memory_mb is None
     )
-    assert Muon([torch.nn.Parameter(torch.ones(2, 2))], step_memory_mb=8).config.step_memory_mb == 8.0
+    assert Muon([torch.nn.Parameter(torch.ones(2, 2))], step_memory_mb=8).config.state.step_memory_mb == 8.0
     for bad in (0, -1, float("inf"), "big", True):
         with pytest.raises(HparamError, match="step_memory_mb must be 'auto', None"):
             Muon([torch.nn.Parameter(torch.ones(2, 2))], step_memory_mb=bad)
@@ -81,10 +81,11 @@ def _run(d: int, layers: int, cap, ns_dtype: str, hooked: bool = False) -> list[
     groups = [
         {"params": hidden[0::4], "algorithm": "muon", "second_moment": "normuon"},  # qkv: NorMuon
         {"params": hidden[1::4], "algorithm": "muon_hyperball"},  # projections on their spheres
-        {"params": hidden[2::4] + hidden[3::4], "algorithm": "muon", "weight_decay_form": "cautious"},
+        {"params": hidden[2::4] + hidden[3::4], "algorithm": "muon", "weight_decay_method": "cautious"},
         {"params": other, "algorithm": "adamw"},
     ]
-    opt = Muon(groups, lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype, step_memory_mb=cap)
+    shared = dict(lr=0.02, weight_decay=0.1, ns_dtype=ns_dtype)  # Muon's keywords set "muon" groups only
+    opt = Muon(groups, **shared, settings=[MuonHyperballSettings(**shared)], step_memory_mb=cap)
     seen = []
     if hooked:
         opt.register_update_hook(lambda group, params, updates, ortho: seen.extend(o.clone() for p in ortho for o in p))

@@ -15,7 +15,7 @@ import torch.distributed as dist
 from ddp_modules import TinyRegressor
 
 import lightning_muon.strategies._exit as exit_module
-from lightning_muon import MuonConfig
+from lightning_muon import MuonConfig, MuonSettings
 
 pytestmark = [pytest.mark.distributed, pytest.mark.policy_free]  # policy_free: see conftest.py
 
@@ -51,7 +51,7 @@ def test_each_strategy_registers_it_when_it_starts_the_group(tmp_path, registere
         enable_checkpointing=False, enable_progress_bar=False, enable_model_summary=False,
         default_root_dir=tmp_path,
     )  # fmt: skip
-    trainer.fit(TinyRegressor(MuonConfig(ns_dtype="float32")))
+    trainer.fit(TinyRegressor(MuonConfig(matrix=MuonSettings(ns_dtype="float32"))))
     assert dist.is_initialized() and registered == [exit_module._destroy]
     torch.distributed.destroy_process_group()
 

@@ -20,7 +20,7 @@ import torch
 from dist_utils import run_distributed
 from tp_modules import TinyTPTransformer, reference_fit, tp_fit_worker
 
-from lightning_muon import Muon, MuonConfig, MuonFSDPStrategy, Rule
+from lightning_muon import Muon, MuonConfig, MuonFSDPStrategy, MuonSettings, Rule
 from lightning_muon.distributed.tensor_parallel import MuonTPSharding
 from lightning_muon.distributed.tp_math import tp_bytes
 
@@ -38,7 +38,7 @@ TAU = 1.0
 QK_CLIP = dict(threshold=TAU)
 QK_CAP = dict(threshold=TAU, cap_forward=True)
 SECOND_MOMENTS = dict(
-    tp_mode="distributed",  # from MuonConfig: the strategy leaves tp_mode=None
+    tp_mode="distributed",  # from the matrix settings: the strategy leaves tp_mode=None
     rules=[
         Rule(name="normuon", algorithm="muon", names="*fc*", min_ndim=2, options={"second_moment": "normuon_rms"}),
         Rule(
@@ -48,7 +48,7 @@ SECOND_MOMENTS = dict(
 )
 # MuonHyperball on the hidden matrices: its norms span blocks split on both mesh dims and a
 # matrix on the 1-D data mesh (held alike by both tensor-parallel ranks, counted once).
-HYPERBALL = dict(matrix_optimizer="muon_hyperball", tp_mode="distributed")
+HYPERBALL = dict(hyperball=True, tp_mode="distributed")
 
 
 @pytest.fixture(scope="module")
@@ -242,7 +242,7 @@ def test_arguments():
     with pytest.raises(ValueError, match="choose tp_mode instead"):
         MuonFSDPStrategy(tensor_parallel_size=2, muon_mode="blockwise")
     with pytest.raises(ValueError, match="tp_mode must be one of"):
-        MuonConfig(tp_mode="exact")
+        MuonConfig(matrix=MuonSettings(tp_mode="exact"))
     plain = torch.nn.Linear(4, 3)
     with pytest.raises(ValueError, match="tp_mode must be one of"):
         MuonTPSharding(Muon(plain.parameters()), tp_mode="exact")

@@ -1,6 +1,6 @@
 """Muon's update-rule variants against the float64 formula (tests/muon_reference.py): momentum
-forms (ema, sum), NorMuon / AdaMuon second moments, sign momentum, cautious weight decay; their
-properties, state and argument errors."""
+forms (ema, sum), NorMuon / AdaMuon second moments, sign momentum, the weight decay methods
+(cautious, independent, palm, l2); their properties, state and argument errors."""
 
 from __future__ import annotations
 
@@ -26,8 +26,13 @@ VARIANTS = {
     "normuon": dict(second_moment="normuon_rms"),
     "adamuon": dict(second_moment="adamuon_rms"),
     "adamuon-sign": dict(second_moment="adamuon_rms", sign_momentum=True),
-    "cautious": dict(weight_decay_form="cautious"),
-    "sum-normuon-cautious": dict(momentum_form="sum", second_moment="normuon_rms", weight_decay_form="cautious"),
+    "cautious": dict(weight_decay_method="cautious"),
+    "sum-normuon-cautious": dict(momentum_form="sum", second_moment="normuon_rms", weight_decay_method="cautious"),
+    # The family's other decay methods, which Muon takes as every matrix algorithm does.
+    "independent": dict(weight_decay_method="independent"),
+    "palm": dict(weight_decay_method="palm"),
+    "l2": dict(weight_decay_method="l2"),
+    "l2-normuon-sum": dict(weight_decay_method="l2", second_moment="normuon_rms", momentum_form="sum"),
     "normuon-adamw-scale": dict(second_moment="normuon_rms", adjust="match_rms_adamw"),
     "adamuon-plain-spectral": dict(second_moment="adamuon_rms", nesterov=False, adjust="spectral_norm"),
     # Emerging-Optimizers' (Megatron-Core's adaptive_muon) forms
@@ -92,7 +97,7 @@ def test_variant_in_float32_matches_float64_formula(variant):
 )
 def test_split_sizes_with_second_moment_match_formula(second_moment, shape, split_sizes):
     """Fused QKV, contiguous (sizes sum to dim 0) and Megatron's grouped layout (sum divides it)."""
-    spec = dict(second_moment=second_moment, weight_decay_form="cautious", split_sizes=split_sizes)
+    spec = dict(second_moment=second_moment, weight_decay_method="cautious", split_sizes=split_sizes)
     (W0,) = random_tensors([shape], seed=4, dtype=torch.float64)
     grads = [random_tensors([shape], seed=30 + t, dtype=torch.float64)[0] for t in range(6)]
     p = nn.Parameter(W0.clone())
@@ -124,7 +129,7 @@ def test_batched_tensor_with_second_moment_equals_separate_matrices(second_momen
     """A (3, 6, 10) expert tensor with batched=True steps like three separate (6, 10) matrices."""
     (W0,) = random_tensors([(3, 6, 10)], seed=5, dtype=torch.float64)
     grads = [random_tensors([(3, 6, 10)], seed=40 + t, dtype=torch.float64)[0] for t in range(5)]
-    hp = dict(lr=0.05, momentum=0.9, weight_decay=0.1, second_moment=second_moment, weight_decay_form="cautious")
+    hp = dict(lr=0.05, momentum=0.9, weight_decay=0.1, second_moment=second_moment, weight_decay_method="cautious")
     fused = nn.Parameter(W0.clone())
     fused_opt = Muon([{"params": [fused], "batched": True}], **hp)
     run_steps(fused_opt, [fused], [[g] for g in grads])
@@ -144,7 +149,7 @@ def test_batched_tensor_with_second_moment_equals_separate_matrices(second_momen
 def test_non_contiguous_parameter_with_cautious_decay_equals_contiguous():
     (W0,) = random_tensors([(12, 20)], seed=6, dtype=torch.float64)
     grads = [random_tensors([(12, 20)], seed=50 + t, dtype=torch.float64)[0] for t in range(4)]
-    hp = dict(lr=0.05, weight_decay=0.2, weight_decay_form="cautious", second_moment="normuon_rms")
+    hp = dict(lr=0.05, weight_decay=0.2, weight_decay_method="cautious", second_moment="normuon_rms")
     base = nn.Parameter(W0.T.clone().contiguous())  # (20, 12)
     strided = nn.Parameter(torch.empty(12, 20, dtype=torch.float64).T)  # (20, 12), not contiguous
     with torch.no_grad():
@@ -195,7 +200,7 @@ def test_cautious_decay_only_where_update_and_weight_agree():
     W0 = torch.tensor([[1.0, -2.0, 3.0], [-1.0, 2.0, -3.0]], dtype=torch.float64)
     G = torch.tensor([[1.0, 1.0, 1.0], [1.0, 1.0, 1.0]], dtype=torch.float64)
     p = nn.Parameter(W0.clone())
-    opt = Muon([p], lr=0.1, weight_decay=0.5, momentum=0.0, nesterov=False, weight_decay_form="cautious")
+    opt = Muon([p], lr=0.1, weight_decay=0.5, momentum=0.0, nesterov=False, weight_decay_method="cautious")
     run_steps(opt, [p], [[G]])
     update = newton_schulz64(G)  # every entry > 0, as G's: it agrees with the positive weights only
     agree = (update * W0 >= 0).double()
@@ -249,7 +254,7 @@ def _train(net, opt, steps):
         opt.step()
 
 
-ALL_ON = dict(momentum_form="sum", second_moment="normuon_rms", weight_decay_form="cautious", ns_method="gram")
+ALL_ON = dict(momentum_form="sum", second_moment="normuon_rms", weight_decay_method="cautious", ns_method="gram")
 
 
 @pytest.mark.parametrize(
@@ -287,12 +292,14 @@ def test_groups_from_an_older_checkpoint_get_the_new_knobs():
     p = nn.Parameter(torch.randn(6, 8, dtype=torch.float64))
     opt = Muon([p], lr=0.02)
     state = opt.state_dict()
-    for key in ("momentum_form", "second_moment", "weight_decay_form", "ns_method", "sign_momentum"):
+    knobs = ("momentum_form", "second_moment", "weight_decay_method", "ns_method", "sign_momentum", "fp32_matmul_prec")
+    for key in knobs:
         del state["param_groups"][0][key]
     fresh = Muon([p], lr=0.02)
     fresh.load_state_dict(state)
     run_steps(fresh, [p], [random_tensors([(6, 8)], seed=14, dtype=torch.float64)])
     assert fresh.param_groups[0]["momentum_form"] == "ema"
+    assert {k: fresh.param_groups[0][k] for k in knobs} == {k: opt.param_groups[0][k] for k in knobs}  # defaults
 
 
 # ----------------------------------------------------------------------- validation
@@ -305,11 +312,14 @@ def test_groups_from_an_older_checkpoint_get_the_new_knobs():
         (
             {"second_moment": "adam"},
             r"second_moment must be one of "
-            r"\(None, 'normuon', 'adamuon', 'namo', 'normuon_rms', 'adamuon_rms'\), got 'adam'",
+            r"\('normuon', 'adamuon', 'namo', 'normuon_rms', 'adamuon_rms', None\), got 'adam'",
         ),
         ({"second_moment_beta2": 1.0}, r"second_moment_beta2 must be a finite number in \[0.0, 1.0\)"),
         ({"second_moment_eps": 0.0}, r"second_moment_eps must be a finite number in \(0.0"),
-        ({"weight_decay_form": "l2"}, r"weight_decay_form must be one of \('decoupled', 'cautious'\)"),
+        (
+            {"weight_decay_method": "l1"},
+            r"weight_decay_method must be one of \('decoupled', 'independent', 'l2', 'palm', 'cautious'\), got 'l1'",
+        ),
         ({"ns_method": "fast"}, r"ns_method must be one of \('standard', 'gram', 'auto'\)"),
         ({"sign_momentum": 1}, r"sign_momentum must be a bool"),
     ],
@@ -328,31 +338,18 @@ def test_split_sizes_must_divide_dim_zero():
     Muon([{"params": [torch.zeros(12, 4, requires_grad=True)], "split_sizes": [2, 1, 1]}])  # 3 groups
 
 
-def test_a_group_saved_before_the_emerging_forms_steps_as_it_was_saved():
-    """A group of an earlier release (no ``second_moment_version``) keeps "normuon" meaning "normuon_rms";
-    a buffer that does not fit the form its group names is refused, naming the fix."""
-    w0 = torch.randn(4, 8, dtype=torch.float64)
-    grads = [torch.randn(4, 8, dtype=torch.float64) for _ in range(3)]
-    p = nn.Parameter(w0.clone())
+def test_a_second_moment_buffer_of_another_form_is_refused():
+    """A saved buffer that does not fit the form its group names is refused, naming the fix."""
+    p = nn.Parameter(torch.randn(4, 8, dtype=torch.float64))
     opt = Muon([p], lr=0.1, second_moment="normuon_rms")
-    run_steps(opt, [p], [[grads[0]]])
+    run_steps(opt, [p], [[torch.randn(4, 8, dtype=torch.float64)]])
     saved = opt.state_dict()
     assert saved["state"][0]["second_moment"].shape == (4, 1)  # per output
-    old = copy.deepcopy(saved)
-    old["param_groups"][0]["second_moment"] = "normuon"  # what the earlier release wrote for this form
-    del old["param_groups"][0]["second_moment_version"]
-    resumed = Muon([p], lr=0.1, second_moment="normuon")
-    resumed.load_state_dict(old)
-    assert resumed.param_groups[0]["second_moment"] == "normuon"  # the saved value, kept
-    run_steps(resumed, [p], [[g] for g in grads[1:]])
-    q = nn.Parameter(w0.clone())
-    run_steps(Muon([q], lr=0.1, second_moment="normuon_rms"), [q], [[g] for g in grads])
-    assert torch.equal(p.detach(), q.detach())
-    # The same buffer under a group that names Emerging-Optimizers' form (per column of a wide matrix).
+    # The buffer under a group that names Emerging-Optimizers' form (per column of a wide matrix).
     mislabelled = copy.deepcopy(saved)
     mislabelled["param_groups"][0]["second_moment"] = "normuon"
     other = Muon([p], lr=0.1, second_moment="normuon")
     other.load_state_dict(mislabelled)
-    p.grad = grads[0]
+    p.grad = torch.randn(4, 8, dtype=torch.float64)
     with pytest.raises(ValueError, match=r"second-moment buffer of shape \(4, 1\).*keeps \(1, 8\).*'normuon_rms'"):
         other.step()

@@ -1,11 +1,12 @@
 """Every update-rule variant under sharding equals one process: MuonSharding (DDP) and
 MuonFSDPSharding (FSDP2) on 2 gloo ranks, in one launch.
 
-The variants are Muon's keywords, plus ``algorithm`` (a Muon variant for the hidden matrices:
+The variants are Muon's settings, plus ``algorithm`` (a Muon variant for the hidden matrices:
 MuonHyperball, whose whole-matrix norms the owners take under DDP and one all-reduce sums
-under FSDP2) and its group keys. The coefficient schedules Megatron calls ``cans`` and
-``deepseekv4`` run here too, and their singular-value bands (test_newton_schulz.py) are
-checked on matrices orthogonalized by an FSDP2 owner from the rows of two ranks."""
+under FSDP2, its settings given as ``MuonHyperballSettings``) and its own keys. The
+coefficient schedules Megatron calls ``cans`` and ``deepseekv4`` run here too, and their
+singular-value bands (test_newton_schulz.py) are checked on matrices orthogonalized by an
+FSDP2 owner from the rows of two ranks."""
 
 from __future__ import annotations
 
@@ -16,7 +17,7 @@ from test_newton_schulz import BANDS, with_spectrum
 from torch import nn
 from torch.testing import assert_close
 
-from lightning_muon import Muon, route_parameters
+from lightning_muon import Muon, MuonHyperballSettings, route_parameters
 from lightning_muon.algorithms import orthogonalizes
 from lightning_muon.distributed.sharded import MuonSharding
 
@@ -26,7 +27,7 @@ pytestmark = [pytest.mark.numerics, pytest.mark.distributed, pytest.mark.policy_
 
 DIST_VARIANTS = [
     dict(momentum_form="sum"),
-    dict(second_moment="normuon", weight_decay_form="cautious"),
+    dict(second_moment="normuon", weight_decay_method="cautious"),
     dict(second_moment="adamuon", sign_momentum=True, nesterov=False),
     dict(ns_method="gram", momentum_form="sum", second_moment="normuon"),
     dict(algorithm="muon_hyperball"),
@@ -39,11 +40,20 @@ DIST_STEPS, DIST_BATCH = 5, 12
 
 
 def _split(variant: dict) -> tuple[str, dict, dict]:
-    """(the hidden matrices' algorithm, Muon's keywords, that algorithm's own group keys)."""
+    """(the hidden matrices' algorithm, its settings shared with Muon's, that algorithm's own keys)."""
     algorithm = variant.get("algorithm", "muon")
     own = {k: v for k, v in variant.items() if k.startswith("hyperball_")}
     keywords = {k: v for k, v in variant.items() if k != "algorithm" and k not in own}
     return algorithm, keywords, own
+
+
+def _muon(groups: list, algorithm: str, settings: dict, **adamw) -> Muon:
+    """A ``Muon`` whose ``algorithm`` groups start from ``settings``: Muon's keywords for "muon", else that
+    algorithm's settings (Muon's keywords set "muon" groups only); ``adamw``: the ``adamw_*`` keywords."""
+    if algorithm == "muon":
+        return Muon(groups, **settings, **adamw)
+    assert algorithm == "muon_hyperball"
+    return Muon(groups, settings=[MuonHyperballSettings(**settings)], **adamw)
 
 
 def _dist_model() -> nn.Module:
@@ -60,16 +70,8 @@ def _dist_train(rank: int, world: int) -> list[dict]:
         model = _dist_model()
         algorithm, keywords, own = _split(variant)
         groups = route_parameters(model, matrix_algorithm=algorithm)
-        defaults = {algorithm: own} if own else None
-        opt = Muon(
-            groups,
-            lr=0.02,
-            weight_decay=0.1,
-            ns_dtype="float32",
-            adamw_lr=1e-2,
-            algorithm_defaults=defaults,
-            **keywords,
-        )
+        settings = dict(lr=0.02, weight_decay=0.1, ns_dtype="float32", **keywords, **own)  # own: the defaults
+        opt = _muon(groups, algorithm, settings, adamw_lr=1e-2)
         sharding = MuonSharding(opt) if world > 1 else None
         muon_ids = {id(p) for g in opt.param_groups if orthogonalizes(g) for p in g["params"]}
         for step in range(DIST_STEPS):
@@ -116,7 +118,7 @@ def _fsdp_run(rank: int, world: int) -> list[dict]:
             {"params": [params[n] for n in ("a", "b", "conv")], "algorithm": algorithm, **own},
             {"params": [params["experts"]], "algorithm": algorithm, "batched": True, **own},
         ]
-        opt = Muon(groups, lr=0.05, weight_decay=0.1, ns_dtype="float32", **keywords)
+        opt = _muon(groups, algorithm, dict(lr=0.05, weight_decay=0.1, ns_dtype="float32", **keywords))
         sharding = MuonFSDPSharding(opt) if mesh else None
         for step in range(4):
             for n, p in params.items():

@@ -22,6 +22,7 @@ split by the data-parallel rank only (tensor-parallel peers see the same batch).
 from __future__ import annotations
 
 import os
+from collections.abc import Sequence
 from pathlib import Path
 from typing import Any
 
@@ -29,7 +30,17 @@ import lightning.pytorch as pl
 import torch
 from torch import nn
 
-from lightning_muon import MuonConfig, MuonModuleMixin, QKClip
+from lightning_muon import (
+    AdamWSettings,
+    MuonConfig,
+    MuonHyperballSettings,
+    MuonModuleMixin,
+    MuonSettings,
+    QKClip,
+    RoutingSettings,
+    Rule,
+    ScheduleSettings,
+)
 from lightning_muon.attention import QKHeads, global_head_maxima, scaled_dot_product_attention
 
 VOCAB, D_MODEL, HEADS, KV_HEADS, HIDDEN, SEQ = 12, 16, 4, 2, 32, 6
@@ -148,14 +159,21 @@ class TinyTPTransformer(MuonModuleMixin, pl.LightningModule):
         return nn.functional.cross_entropy(logits.reshape(-1, VOCAB), seq[:, 1:].reshape(-1))
 
 
-CONFIG = dict(
-    lr=0.02,
-    weight_decay=0.1,
-    ns_dtype="float32",  # bf16 Newton-Schulz turns one-ulp differences into percents
-    adjust_lr="spectral_norm",  # sqrt(rows / cols): wrong if a shard's shape were used
-    adamw_lr=1e-2,
-    warmup=2,
-)
+def tp_config(tp_mode: str | None = None, rules: Sequence[Rule] = (), hyperball: bool = False) -> MuonConfig:
+    """The runs' config: Muon (or MuonHyperball) on the hidden matrices, ``tp_mode`` where given, ``rules`` first."""
+    matrix = (MuonHyperballSettings if hyperball else MuonSettings)(
+        lr=0.02,
+        weight_decay=0.1,
+        ns_dtype="float32",  # bf16 Newton-Schulz turns one-ulp differences into percents
+        adjust_lr="spectral_norm",  # sqrt(rows / cols): wrong if a shard's shape were used
+        **({"tp_mode": tp_mode} if tp_mode is not None else {}),
+    )
+    return MuonConfig(
+        matrix=matrix,
+        scalar=AdamWSettings(lr=1e-2),
+        routing=RoutingSettings(rules=list(rules)),
+        schedule=ScheduleSettings(warmup=2),
+    )
 
 
 def trainer_kwargs(root: Path, max_steps: int, clip: float | None) -> dict[str, Any]:
@@ -232,7 +250,7 @@ def reference_fit(
     """
     from lightning_muon import UpdateSpectrumMonitor
 
-    model = TinyTPTransformer(MuonConfig(**{**CONFIG, **config}), micro_batches=micro_batches)
+    model = TinyTPTransformer(tp_config(**config), micro_batches=micro_batches)
     monitor = UpdateSpectrumMonitor(every_n_steps=spectra) if spectra else None
     qk = RecordingQKClip(**qk_clip) if qk_clip else None
     trainer = pl.Trainer(
@@ -281,7 +299,7 @@ def tp_fit_worker(rank: int, world_size: int, runs: list[dict[str, Any]]) -> lis
     out = []
     for spec in runs:
         counts.clear()
-        model = TinyTPTransformer(MuonConfig(**{**CONFIG, **spec.get("config", {})}))
+        model = TinyTPTransformer(tp_config(**spec.get("config", {})))
         monitor = UpdateSpectrumMonitor(every_n_steps=spec["spectra"]) if spec.get("spectra") else None
         callbacks: list[pl.Callback] = [monitor] if monitor else []
         qk = RecordingQKClip(**spec["qk_clip"]) if spec.get("qk_clip") else None

@@ -6,7 +6,10 @@ For a parameter ``W`` with gradient ``g``::
     W <- W (1 - lr wd) - lr sign(m)
 
 Importing this module registers it as ``"signum"``; a YAML config may also name it by its
-import path, ``user_algorithm.Signum``, which imports and registers it.
+import path, ``user_algorithm.Signum`` (a rule's algorithm) or ``user_algorithm.SignumSettings``
+(a config section's class_path), which imports and registers it. Its settings derive from the
+scalar family's (``ScalarSettings``: lr, weight_decay) and declare only ``beta``; the checks
+come from the fields.
 
 References:
     Bernstein et al., "signSGD: Compressed Optimisation for Non-Convex Problems", arXiv 1802.04434.
@@ -14,29 +17,21 @@ References:
 
 from __future__ import annotations
 
-import math
 from dataclasses import dataclass
 
 import torch
 
 from lightning_muon import Algorithm, register_algorithm
+from lightning_muon.algorithms import ScalarSettings
+from lightning_muon.algorithms.settings import setting
 
 
 @dataclass(frozen=True, kw_only=True)
-class SignumHparams:
-    lr: float = 1e-3
-    """Step size: every entry moves by lr per step."""
-    beta: float = 0.9
-    """Momentum, in [0, 1)."""
-    weight_decay: float = 0.0
-    """Decoupled weight decay, times the lr."""
+class SignumSettings(ScalarSettings, algorithm="signum", defaults={"lr": 1e-3}):
+    """Signum groups: the scalar family's lr and decoupled weight decay, and a momentum of their own."""
 
-    def __post_init__(self) -> None:
-        for name, value in (("lr", self.lr), ("weight_decay", self.weight_decay)):
-            if not (isinstance(value, (int, float)) and math.isfinite(value) and value >= 0):
-                raise ValueError(f"{name} must be a finite number >= 0, got {value!r}")
-        if not (isinstance(self.beta, (int, float)) and 0 <= self.beta < 1):
-            raise ValueError(f"beta must be in [0, 1), got {self.beta!r}")
+    beta: float = setting(0.9, low=0.0, high=1.0, high_open=True)
+    """Momentum, in [0, 1)."""
 
 
 @register_algorithm
@@ -44,7 +39,7 @@ class Signum(Algorithm):
     """``"signum"``: the sign of an EMA of the gradients, with decoupled weight decay."""
 
     name = "signum"
-    hparams = SignumHparams
+    settings = SignumSettings
 
     def init_group(self, group, params, where):
         group["momentum"] = group["beta"]  # what LearningRateMonitor logs as this group's momentum

@@ -1,11 +1,15 @@
 """Writes ``legacy_checkpoint.pt``: a ``Muon`` state dict in the format of lightning_muon 0.1.0.
 
-Run once, at the commit before the optimizer was split into registered algorithms
-(9ae5802), with ``python tests/data/make_legacy_checkpoint.py``. The file holds the model
-and optimizer state after three steps of every kind of group (Muon with fused-QKV splits and
-NorMuon, AdamW, Lion, Schedule-Free AdamW), the gradients of two more steps, and the weights,
-state and param groups those two steps gave then. ``tests/test_legacy_checkpoint.py`` loads it into
-today's code and checks that the two steps give the same numbers.
+Run once, with ``python tests/data/make_legacy_checkpoint.py``, when the settings became typed
+sections (``MuonSettings``, ``LionSettings``, ...; param groups keep ``weight_decay_method`` and
+``fp32_matmul_prec``, and ``second_moment="normuon"`` is Emerging-Optimizers' form). The file
+written before that, at the commit before the optimizer was split into registered algorithms
+(9ae5802), held forms no release had (``weight_decay_form``, "normuon" meaning today's
+"normuon_rms"), whose shims were dropped. The file holds the model and optimizer state after
+three steps of every kind of group (Muon with fused-QKV splits and NorMuon, AdamW, Lion,
+Schedule-Free AdamW), the gradients of two more steps, and the weights, state and param groups
+those two steps gave then. ``tests/test_legacy_checkpoint.py`` loads it into today's code and
+checks that the two steps give the same numbers.
 """
 
 from __future__ import annotations
@@ -16,7 +20,7 @@ from pathlib import Path
 import torch
 from torch import nn
 
-from lightning_muon import Muon
+from lightning_muon import LionSettings, Muon, ScheduleFreeSettings
 
 SHAPES = {"qkv": (12, 4), "proj": (4, 4), "conv": (3, 2, 2, 2), "bias": (4,), "gain": (4,), "scale": (3,)}
 
@@ -36,6 +40,8 @@ def build(params: dict[str, nn.Parameter]) -> Muon:
         ns_dtype="float32",
         adamw_lr=1e-2,
         adamw_weight_decay=0.01,
+        # The values the first file's Lion and Schedule-Free groups had (AdamW's, their fallback then).
+        settings=[LionSettings(weight_decay=0.01), ScheduleFreeSettings(lr=1e-2, weight_decay=0.01)],
     )  # fmt: skip
 
 
