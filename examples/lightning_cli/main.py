@@ -2,8 +2,9 @@
 
 Run: python examples/lightning_cli/main.py fit --config examples/lightning_cli/config.yaml
 
-Any field is overridable from the command line, e.g.
-``--model.muon_config.lr=0.03 --trainer.max_epochs=3 --trainer.strategy=muon_ddp``.
+Any setting is overridable from the command line, e.g.
+``--model.muon_config.matrix.init_args.lr=0.03 --model.muon_config.schedule.falloff=linear
+--trainer.max_epochs=3 --trainer.strategy=muon_ddp``.
 Importing lightning_muon registers its strategies (muon_ddp, muon_fsdp) by name.
 """
 
@@ -19,7 +20,7 @@ from lightning_muon_demo.digits import DigitsDataModule
 
 
 class DigitsMLP(MuonModuleMixin, pl.LightningModule):
-    """A small MLP classifier; ``muon_config`` (every MuonConfig field) comes from the YAML file."""
+    """A small MLP classifier; ``muon_config`` (MuonConfig's sections) comes from the YAML file."""
 
     def __init__(self, hidden: int = 256, muon_config: MuonConfig | None = None) -> None:
         super().__init__()

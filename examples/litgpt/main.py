@@ -66,15 +66,15 @@ def train(fabric: L.Fabric, name: str, settings: dict, config: Config, data: tup
     with fabric.init_module():
         model = GPT(config)
     initialize_weights(fabric, model, config.n_layer, config.n_embd)  # litgpt's own pretraining init
-    muon_config = MuonConfig.from_any({**settings[f"{name}_config"], "total_steps": t["steps"]})
+    muon_config = MuonConfig.from_any(settings[f"{name}_config"])
     if isinstance(fabric.strategy, MuonFSDPStrategy):  # FSDP2: the optimizer after the model
         model = fabric.setup_module(model)
-        optimizer, scheduler = muon_config.build(model)
+        optimizer, scheduler = muon_config.build(model, total_steps=t["steps"])
         optimizer = fabric.setup_optimizers(optimizer)
     else:
-        optimizer, scheduler = muon_config.build(model)
+        optimizer, scheduler = muon_config.build(model, total_steps=t["steps"])
         model, optimizer = fabric.setup(model, optimizer)
-    fabric.print(f"\n{name}: routing of litgpt's parameters\n{muon_config.routing.build(model).report()}")
+    fabric.print(f"\n{name}: routing of litgpt's parameters\n{muon_config.routing_config.build(model).report()}")
     train_tokens, val_tokens = data
     curve, start = [], time.perf_counter()
     for step in range(t["steps"]):

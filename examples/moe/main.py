@@ -22,6 +22,7 @@ validation loss and the gain of the best Muon run over the best AdamW run, and w
 from __future__ import annotations
 
 import argparse
+import dataclasses
 import json
 import logging
 import os
@@ -82,12 +83,17 @@ class MoEModule(MuonModuleMixin, pl.LightningModule):
 def train(name: str, lr: float, settings: dict, args: argparse.Namespace, report_routing: bool) -> dict[str, Any]:
     """One run: ``name`` is ``"muon"`` (``lr`` is the Muon lr) or ``"adamw"`` (``lr`` is every parameter's)."""
     t = settings["train"]
-    key = "lr" if name == "muon" else "adamw_lr"
-    muon_config = MuonConfig.from_any({**settings[f"{name}_config"], key: lr, "total_steps": t["steps"]})
+    written = MuonConfig.from_any(settings[f"{name}_config"])
+    section = "matrix" if name == "muon" else "scalar"  # the AdamW run's every parameter is in the scalar section
+    muon_config = dataclasses.replace(
+        written,
+        **{section: getattr(written, section).replace(lr=lr)},
+        schedule=dataclasses.replace(written.schedule, total_steps=t["steps"]),
+    )
     pl.seed_everything(t["seed"], verbose=False)  # the same initial weights for every run
     module = MoEModule(settings["model"], muon_config)
     if report_routing:
-        say(f"\n{muon_config.routing.build(module).report()}")
+        say(f"\n{muon_config.routing_config.build(module).report()}")
     data = CharTextDataModule(
         block_size=t["block_size"],
         batch_size=t["batch_size"] // args.devices,  # per process: the global batch stays the same

@@ -22,7 +22,7 @@ from pathlib import Path
 import lightning.pytorch as pl
 import torch
 
-from lightning_muon import MuonConfig, QKClip
+from lightning_muon import AdamWSettings, MuonConfig, MuonSettings, QKClip, ScheduleSettings
 from lightning_muon_demo import CharGPTModule, CharTextDataModule
 
 
@@ -39,7 +39,9 @@ class MaxLogitRecorder(pl.Callback):
 def run(clip: QKClip, args: argparse.Namespace) -> dict:
     pl.seed_everything(0, verbose=False)
     config = MuonConfig(
-        lr=args.lr, weight_decay=0.0, adjust_lr="match_rms_adamw", adamw_lr=3e-3, warmup=0, falloff="constant"
+        matrix=MuonSettings(lr=args.lr, weight_decay=0.0, adjust_lr="match_rms_adamw"),
+        scalar=AdamWSettings(lr=3e-3),
+        schedule=ScheduleSettings(warmup=0, falloff="constant"),
     )
     model = CharGPTModule(block_size=64, n_layer=2, n_head=4, n_embd=64, muon_config=config)
     data = CharTextDataModule(block_size=64, batch_size=16, max_chars=400_000, val_samples=64, seed=0)
