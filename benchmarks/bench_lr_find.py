@@ -78,8 +78,8 @@ def find_lr(spec: RunSpec, min_lr: float, max_lr: float, num_training: int, devi
         "loss": finder.results["loss"],
         "suggestion": suggestion,
         "suggestion_index": finder._optimal_idx,
-        "config_before": {"lr": before.lr, "adamw_lr": before.adamw_lr},
-        "config_after": {"lr": after.lr, "adamw_lr": after.adamw_lr},
+        "config_before": {"lr": before.matrix.lr, "adamw_lr": before.scalar.lr},
+        "config_after": {"lr": after.matrix.lr, "adamw_lr": after.scalar.lr},
         "seconds": seconds,
     }
 

@@ -45,7 +45,7 @@ from benchlib.harness import (
 )
 from torch import nn
 
-from lightning_muon import Muon, MuonConfig, route_parameters
+from lightning_muon import Muon, route_parameters
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_train_step.json"
 SHARE_MAX_CUDA = 0.03  # target: our optimizer step at most 3% of a GPT-2-small step on one GPU
@@ -68,7 +68,8 @@ def gpt2(quick: bool, seq: int) -> nn.Module:
 def our_optimizer(model: nn.Module, nonfinite: str = "raise") -> tuple[Muon, list[nn.Parameter]]:
     """Our hybrid Muon with the default routing, and the parameters it sends to Newton-Schulz."""
     groups = route_parameters(model)
-    config = MuonConfig(
+    optimizer = Muon(
+        list(groups),
         lr=LR,
         momentum=MOMENTUM,
         weight_decay=WEIGHT_DECAY,
@@ -76,7 +77,6 @@ def our_optimizer(model: nn.Module, nonfinite: str = "raise") -> tuple[Muon, lis
         adamw_betas=ADAMW_BETAS,
         nonfinite=nonfinite,
     )
-    optimizer = Muon.from_config(list(groups), config.optimizer)
     hidden = [p for g in optimizer.param_groups if g["algorithm"] == "muon" for p in g["params"]]
     return optimizer, hidden
 

@@ -12,9 +12,10 @@ On Python 3.11 the wheel imports after two shims, applied here: ``typing.overrid
 3.12) as the identity, and an empty ``emerging_optimizers.triton_kernels`` module (Triton
 kernels for CUDA only). Every case runs 10 steps at fp32 on four weight shapes (64x32,
 48x64, 64x64, 96x64; LaProp also on a 64-vector) from the same start and the same
-gradients, with ``fp32_matmul_prec="highest"`` on their side and ``ns_dtype="float32"`` on
-ours, and prints per shape the worst relative difference over the steps,
-``||W_ours - W_eo||_F / ||W_eo||_F``. Each row names the keys both sides were given.
+gradients, each side given the same keywords, Emerging-Optimizers' own names (ours reads them
+through ``lightning_muon.aliases``), with ``fp32_matmul_prec="highest"`` (float32 Newton-Schulz
+on both sides, whatever the host's automatic dtype), and prints per shape the worst relative
+difference over the steps, ``||W_ours - W_eo||_F / ||W_eo||_F``. Each row names the keys both sides were given.
 """
 
 from __future__ import annotations
@@ -50,23 +51,16 @@ class Case:
     init: Callable[[torch.Tensor], torch.Tensor] | None = None  # the starting weight, from a random one
 
 
-def _muon_keys(eo: dict[str, Any]) -> dict[str, Any]:
-    """Our ``muon`` group keys for Emerging-Optimizers' ``Muon`` keywords (Megatron-Core's names mapped)."""
-    from lightning_muon.algorithms.emerging import eo_schedule
+# Emerging-Optimizers' ``Muon`` defaults where our ``muon`` group's differ (ours: Nesterov, Polar Express, ...).
+EO_MUON = dict(
+    momentum=0.95, weight_decay=0.01, nesterov=False, coefficient_type="quintic", num_ns_steps=5, scale_mode="spectral"
+)
 
-    steps = eo.get("num_ns_steps", 5)
-    scale = {"shape_scaling": "original", "spectral": "spectral", "unit_rms_norm": "spectral_norm"}
-    return dict(
-        lr=eo["lr"],
-        momentum=eo.get("momentum", 0.95),
-        weight_decay=eo.get("weight_decay", 0.01),
-        nesterov=eo.get("nesterov", False),
-        ns_steps=steps,
-        ns_coefficients=eo_schedule(eo.get("coefficient_type", "quintic"), steps),
-        adjust_lr=scale[eo.get("scale_mode", "spectral")],
-        extra_scale_factor=eo.get("extra_scale_factor", 1.0),
-        ns_dtype="float32",
-    )
+
+def _muon_keys(eo: dict[str, Any]) -> dict[str, Any]:
+    """Our ``muon`` group keys for Emerging-Optimizers' ``Muon`` keywords: its own names (``aliases``), its defaults
+    where ours differ, and the standard iteration (ours may pick Gram's where it is faster)."""
+    return {**EO_MUON, **eo, "ns_method": "standard"}
 
 
 def _sinkhorn_init(w: torch.Tensor) -> torch.Tensor:
@@ -89,7 +83,7 @@ def cases() -> list[Case]:
         out.append(Case(f"muon {scale_mode} nesterov={nesterov}", "muon", eo, "muon", _muon_keys(eo)))
     for method in ("adamuon", "normuon", "namo"):
         eo = dict(base, lr=lr, momentum=0.95, weight_decay=0.01, moment2_method=method, beta2=0.95, eps=1e-8)
-        ours = dict(_muon_keys(eo), moment2_method=method, beta2=0.95, eps=1e-8)
+        ours = _muon_keys(eo)
         out.append(Case(f"adaptive_muon {method}", "adaptive_muon", eo, "adaptive_muon", ours))
         out.append(
             Case(
@@ -97,40 +91,48 @@ def cases() -> list[Case]:
                 "adaptive_muon",
                 eo,
                 "muon",
-                dict(_muon_keys(eo), second_moment=method, second_moment_beta2=0.95, second_moment_eps=1e-8),
+                dict(
+                    {k: v for k, v in _muon_keys(eo).items() if k not in ("moment2_method", "beta2", "eps")},
+                    second_moment=method,
+                    second_moment_beta2=0.95,
+                    second_moment_eps=1e-8,
+                ),
             )
         )
     eo = dict(base, lr=lr, hyperball_radius=None)
     out.append(Case("muon_hyperball", "muon_hyperball", eo, "muon_hyperball", dict(_muon_keys(eo))))
-    new = dict(ns_dtype="float32")
     out += [
-        Case("scion", "scion", dict(base, lr=lr), "scion", dict(new, lr=lr, fp32_matmul_prec="highest")),
+        Case("scion", "scion", dict(base, lr=lr), "scion", dict(base, lr=lr)),
         Case(
             "scion polar_express r=2",
             "scion",
             dict(base, lr=lr, coefficient_type="polar_express", num_ns_steps=8, spectral_radius=2.0),
             "scion",
-            dict(new, lr=lr, coefficient_type="polar_express", num_ns_steps=8, spectral_radius=2.0),
+            dict(base, lr=lr, coefficient_type="polar_express", num_ns_steps=8, spectral_radius=2.0),
         ),
-        Case("polargrad", "polargrad", dict(base, lr=1e-4), "polargrad", dict(new, lr=1e-4)),
+        Case("polargrad", "polargrad", dict(base, lr=1e-4), "polargrad", dict(base, lr=1e-4)),
         Case(
             "polargrad nesterov l2",
             "polargrad",
             dict(base, lr=1e-4, nesterov=True, weight_decay_method="l2"),
             "polargrad",
-            dict(new, lr=1e-4, nesterov=True, weight_decay_method="l2"),
+            dict(base, lr=1e-4, nesterov=True, weight_decay_method="l2"),
         ),
-        Case("mop nuclear_norm", "mop", dict(base, lr=1e-4), "mop", dict(lr=1e-4)),
+        Case("mop nuclear_norm", "mop", dict(base, lr=1e-4), "mop", dict(base, lr=1e-4)),
         Case(
-            "mop spectral", "mop", dict(base, lr=lr, scale_mode="spectral"), "mop", dict(lr=lr, scale_mode="spectral")
+            "mop spectral",
+            "mop",
+            dict(base, lr=lr, scale_mode="spectral"),
+            "mop",
+            dict(base, lr=lr, scale_mode="spectral"),
         ),
-        Case("spel", "spel", dict(base, lr=lr), "spel", dict(new, lr=lr)),
+        Case("spel", "spel", dict(base, lr=lr), "spel", dict(base, lr=lr)),
         Case(
             "sinkhorn_muon",
             "sinkhorn_muon",
             dict(base, lr=1e-3),
             "sinkhorn_muon",
-            dict(new, lr=1e-3),
+            dict(base, lr=1e-3),
             init=_sinkhorn_init,
         ),
         Case("laprop", "laprop", dict(lr=1e-3), "laprop", dict(lr=1e-3), shapes=[*SHAPES, (64,)]),

@@ -18,7 +18,7 @@ import torch
 from benchlib.harness import progress, table
 from benchlib.memory import StepMeter, mib, our_kwargs, print_sites
 from benchlib.step_table import ADAMW_LR, LR, VOCAB, WEIGHT_DECAY
-from lightning_muon import MuonConfig, QKClip, UpdateSpectrumMonitor
+from lightning_muon import AdamWSettings, MuonConfig, MuonSettings, QKClip, StateSettings, UpdateSpectrumMonitor
 from lightning_muon_demo.module import CharGPTModule
 
 QK_CLIP_THRESHOLD = 1e-3  # under the logits at initialization: heads are clipped, the clip's work runs
@@ -65,7 +65,11 @@ class StepProbe(pl.Callback):
 def _fit(name: str, cfg: dict[str, Any]) -> dict[str, Any]:
     m, device = cfg["callbacks_model"], torch.device(cfg["device"])
     pl.seed_everything(0, verbose=False)
-    config = MuonConfig(lr=LR, weight_decay=WEIGHT_DECAY, adamw_lr=ADAMW_LR, **our_kwargs(cfg))
+    config = MuonConfig(
+        matrix=MuonSettings(lr=LR, weight_decay=WEIGHT_DECAY),
+        scalar=AdamWSettings(lr=ADAMW_LR),
+        state=StateSettings(**our_kwargs(cfg)),
+    )
     module = CharGPTModule(
         n_layer=m["n_layer"], n_head=m["n_head"], n_embd=m["n_embd"], block_size=m["block_size"], muon_config=config
     )
