@@ -49,7 +49,7 @@ from torch.nn.parallel import DistributedDataParallel
 
 from lightning_muon import Muon, route_parameters
 from lightning_muon.distributed.comm import all_reduce_bytes
-from lightning_muon.distributed.sharded import MuonSharding
+from lightning_muon.distributed.ddp import MuonDDPSharding
 from lightning_muon.newton_schulz import resolve_ns_dtype
 from lightning_muon.strategies.ddp_core import MuonDDPCore
 from lightning_muon_demo.models import CharGPT
@@ -58,7 +58,7 @@ DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_ddp.json"
 MEMORY_OUT = DEFAULT_OUT.with_name("bench_ddp_memory.json")
 # Hyperparameters (they do not change the cost).
 LR, WEIGHT_DECAY, ADAMW_LR = 0.02, 0.01, 3e-4
-# The collectives counted: DDP's bucket all-reduce, MuonSharding's reduce-scatter and
+# The collectives counted: DDP's bucket all-reduce, MuonDDPSharding's reduce-scatter and
 # all-gather, and the broadcast of the parameters DDP ignores.
 WIRE_OPS = ("all_reduce", "all_to_all_single", "reduce_scatter_tensor", "all_gather_into_tensor", "broadcast")
 
@@ -93,11 +93,11 @@ class _Run:
     name: str
     model: nn.Module
     optimizer: Muon
-    sharding: MuonSharding | None = None
+    sharding: MuonDDPSharding | None = None
     hook: _HookState | None = None
     grads: list[tuple[Tensor, Tensor]] = field(default_factory=list)
     muon_path_bytes: dict[str, float] = field(default_factory=dict)
-    """MuonSharding's own byte counts over the counted steps (its stats keep counting later)."""
+    """MuonDDPSharding's own byte counts over the counted steps (its stats keep counting later)."""
     ddp_bucket_bytes: float = 0.0
     """DDP's comm hook count over the counted steps (the timed training steps add to the hook's)."""
     gather_s: float = 0.0

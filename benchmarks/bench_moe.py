@@ -5,7 +5,7 @@ expert into gate and up, a ``down_proj`` ``(E, H, I)``, and one dense attention-
 ``(H, H)`` matrix) for E = 8 and 64, under the two data-parallel shardings, on the same W
 processes:
 
-- ``muon_ddp``: ``MuonSharding`` on whole tensors (reduce_scatter mode): the owner plan
+- ``muon_ddp``: ``MuonDDPSharding`` on whole tensors (reduce_scatter mode): the owner plan
   gives each stack to one rank, balancing Newton-Schulz FLOPs counted per expert;
 - ``muon_fsdp``: ``MuonFSDPSharding`` on ``Shard(0)`` DTensors: every rank holds whole
   experts of every stack and orthogonalizes them where they are (no Muon bytes for them);
@@ -100,8 +100,8 @@ def _rank_main(rank: int, w: int, s: Settings) -> dict[str, Any]:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from lightning_muon.distributed.ddp import MuonDDPSharding
     from lightning_muon.distributed.fsdp import MuonFSDPSharding
-    from lightning_muon.distributed.sharded import MuonSharding
 
     wire, ns = WireCounter(rank, w, WIRE_OPS), NSCounter(s.device)
     wire.install()
@@ -121,7 +121,7 @@ def _rank_main(rank: int, w: int, s: Settings) -> dict[str, Any]:
             if config == "muon_ddp":
                 params = {n: nn.Parameter(t.clone()) for n, t in full.items()}
                 opt = _optimizer(params, s, experts)
-                sharding = MuonSharding(opt)
+                sharding = MuonDDPSharding(opt)
             else:
                 params = {n: nn.Parameter(distribute_tensor(t.clone(), mesh, [Shard(0)])) for n, t in full.items()}
                 opt = _optimizer(params, s, experts)

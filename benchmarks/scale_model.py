@@ -4,7 +4,7 @@ The CPU benchmarks run at W <= 4 ranks on one host, where Newton-Schulz dominate
 network is free. This model predicts what the distributed designs cost where the network
 is the bottleneck. Per training step and scheme, from the project's own planner
 (``plan_ownership``, ``matrix_shapes``, ``shard_rows``, ``ns_flops``) and byte counting
-(``all_reduce_bytes``, the all-to-all counts of ``MuonSharding`` / ``MuonFSDPSharding``):
+(``all_reduce_bytes``, the all-to-all counts of ``MuonDDPSharding`` / ``MuonFSDPSharding``):
 
 - Newton-Schulz FLOPs on the busiest rank;
 - bytes each rank sends, by collective, split into intra-node and inter-node links;

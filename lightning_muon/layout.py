@@ -24,9 +24,11 @@ a tensor into the matrices Newton-Schulz sees, and which way each of them faces:
 
 Everything that needs the matrices asks the layout: the optimizer's step (views and
 writable slots, the lr scale by fan-out and fan-in, NorMuon's per-output statistics), the
-owner plan (Newton-Schulz FLOPs per matrix), the shardings, the spectrum monitor and the
-routing report. A param group stores the layout as plain data (the ``split_sizes``,
-``batched`` and ``transposed`` keys, which checkpoints and YAML carry); ``layout_of(group)``
+owner plan (Newton-Schulz FLOPs per matrix), the shardings (whether a rank's row block
+holds whole matrices, and whether it holds row blocks of each piece: the distribution facts
+no sharding or algorithm works out for itself), the spectrum monitor and the routing
+report. A param group stores the layout as plain data (the ``split_sizes``, ``batched`` and
+``transposed`` keys, which checkpoints and YAML carry); ``layout_of(group)``
 turns them into the object.
 """
 
@@ -151,6 +153,29 @@ class MatrixLayout:
     def matrices_per_tensor(self, shape: Sequence[int]) -> int:
         """How many matrices a tensor of ``shape`` holds (experts times pieces)."""
         return len(self.matrix_shapes(shape))
+
+    # ------------------------------------------------------------------ distribution facts
+
+    @property
+    def row_blocks_hold_whole_matrices(self) -> bool:
+        """Whether a block of dim 0 (``Shard(0)``, a rank's experts) holds whole matrices.
+
+        True for a stack whose dim 0 indexes its matrices (an expert stack ``(E, out, in)``):
+        per-matrix work then runs on any rank's block of it, and nothing moves. False for
+        one matrix (a row block cuts it) and for ``blocks`` (dim 0 runs through each matrix's rows).
+        """
+        return self.batched and self.blocks is None
+
+    @property
+    def row_blocks_hold_piece_rows(self) -> bool:
+        """Whether a block of dim 0 of a tensor is, piece by piece, a block of dim 0 of each piece of ``views``.
+
+        True unless ``split_sizes`` cut dim 0 itself (a fused QKV stored ``(out, in)``): a split
+        along the columns (a ``Conv1D``'s fused QKV) leaves every piece all the rows, and a
+        stack's block of matrices is a block of each piece's. Then a rank's rows of a piece
+        are the pieces of its rows, and a sharding can cut and place them locally.
+        """
+        return self.split_sizes is None or self.batched or self.transposed
 
     # ------------------------------------------------------------------ tensors
 

@@ -81,19 +81,19 @@ def fsdp_worker(rank: int, world_size: int, caps: list, ns_dtype: str) -> dict:
 
 
 def ddp_worker(rank: int, world_size: int, caps: list, ns_dtype: str) -> dict:
-    """``{cap: {"params", "bytes"}}`` after STEPS steps of ``MuonSharding`` (muon_ddp's reduce-scatter mode).
+    """``{cap: {"params", "bytes"}}`` after STEPS steps of ``MuonDDPSharding`` (muon_ddp's reduce-scatter mode).
 
     Every rank is handed the same gradients: plain DDP's average of the non-Muon ones is then
     theirs, and the owners' reduce of the Muon ones is what the test compares.
     """
-    from lightning_muon.distributed.sharded import MuonSharding
+    from lightning_muon.distributed.ddp import MuonDDPSharding
 
     out = {}
     for cap in caps:
         full, grads = tensors()
         params = {n: nn.Parameter(t.clone()) for n, t in full.items()}
         opt = optimizer(params, cap, ns_dtype)
-        sharding = MuonSharding(opt, mode="reduce_scatter")
+        sharding = MuonDDPSharding(opt, mode="reduce_scatter")
         for step in range(STEPS):
             for n, p in params.items():
                 p.grad = grads[step][n].clone()

@@ -83,13 +83,13 @@ def test_a_first_step_at_lr_zero_with_gradients_is_a_step():
 
 def test_muon_ddp_gathers_state_in_its_memory_layout(tmp_path):
     """The full state ``muon_ddp`` saves keeps SOAP's column-major eigenbases column-major."""
-    from lightning_muon.distributed.sharded import MuonSharding
+    from lightning_muon.distributed.ddp import MuonDDPSharding
 
     dist.init_process_group("gloo", (tmp_path / "rendezvous").as_uri(), rank=0, world_size=1)
     torch.manual_seed(0)
     p = torch.nn.Parameter(torch.randn(9, 8))
     optimizer = Muon([{"params": [p], "algorithm": "soap"}])
-    sharding = MuonSharding(optimizer)
+    sharding = MuonDDPSharding(optimizer)
     for _ in range(2):
         p.grad = torch.randn(9, 8)
         optimizer.step()

@@ -1,4 +1,4 @@
-"""Emerging-Optimizers' algorithms under sharding equal one process: muon_ddp's owners (MuonSharding), muon_fsdp's
+"""Emerging-Optimizers' algorithms under sharding equal one process: muon_ddp's owners (MuonDDPSharding), muon_fsdp's
 (MuonFSDPSharding, Shard(0) DTensors) on 2 gloo ranks, and a 2 x 2 (data x tensor) mesh (MuonTPSharding) on 4.
 
 Every per-matrix algorithm: the orthogonalizing ones (adaptive_muon's three second moments,
@@ -86,10 +86,10 @@ def _two_ranks(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from lightning_muon.distributed.ddp import MuonDDPSharding
     from lightning_muon.distributed.fsdp import MuonFSDPSharding
-    from lightning_muon.distributed.sharded import MuonSharding
 
-    ddp = _run(lambda n, t: t.clone(), lambda t: t, MuonSharding, sync=lambda s: s.reduce_gradients())
+    ddp = _run(lambda n, t: t.clone(), lambda t: t, MuonDDPSharding, sync=lambda s: s.reduce_gradients())
     mesh = init_device_mesh("cpu", (world,))
     fsdp = _run(lambda n, t: distribute_tensor(t.clone(), mesh, [Shard(0)]), _full, MuonFSDPSharding)
     return {"ddp": ddp, "fsdp": fsdp}

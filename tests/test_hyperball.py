@@ -1,6 +1,6 @@
 """MuonHyperball (``"muon_hyperball"`` groups): its formula against a float64 reference, the sphere, its checks.
 
-Under MuonSharding (DDP) and MuonFSDPSharding (FSDP2) on two ranks: test_update_rules_distributed.py.
+Under MuonDDPSharding (DDP) and MuonFSDPSharding (FSDP2) on two ranks: test_update_rules_distributed.py.
 """
 
 from __future__ import annotations

@@ -19,7 +19,7 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_muon import Muon, MuonDDPStrategy, route_parameters
-from lightning_muon.distributed.sharded import MuonSharding
+from lightning_muon.distributed.ddp import MuonDDPSharding
 
 pytestmark = [pytest.mark.distributed, pytest.mark.policy_free]  # policy_free: see conftest.py
 
@@ -52,7 +52,7 @@ def test_four_ranks_as_two_groups_of_two_equal_one_process(tmp_path):
     _fit(tmp_path / "one", "auto", 1, steps=6, ckpt_path=saved, **kwargs)
     _assert_all_equal(_ranks(tmp_path / "one", 1), _ranks(tmp_path / "ref6", 1)[0], **FP32)
 
-    # Bytes per link class, counted by MuonSharding, equal the scale model's with the two
+    # Bytes per link class, counted by MuonDDPSharding, equal the scale model's with the two
     # groups on two "nodes" of 2: reduce_scatter and all_gather inside, reduce_across between.
     model = TinyRegressor(CONFIG)
     shapes = sc.shapes_from_optimizer("TinyRegressor", model, Muon(route_parameters(model), lr=0.02))
@@ -89,7 +89,7 @@ def _overlap_scenarios(rank: int, world: int) -> dict:
     for name, size, overlap in (("plain", 2, False), ("groups", 2, True), ("singletons", 1, True)):
         net = _Net()
         opt = Muon(route_parameters(net), lr=0.02, weight_decay=0.1, ns_dtype="float32", adamw_lr=1e-2)
-        sharding = MuonSharding(opt, owner_group_size=size)
+        sharding = MuonDDPSharding(opt, owner_group_size=size)
         names = [n for n, p in net.named_parameters() if any(p is q for q in sharding.params)]
         DistributedDataParallel._set_params_and_buffers_to_ignore_for_model(net, names)
         ddp = DistributedDataParallel(net, find_unused_parameters=True)

@@ -32,8 +32,8 @@ def test_base_sharding_of_one_rank_steps_like_no_sharding():
     plain_params, plain = _model()
     params, opt = _model()
     sharding = _one_rank_sharding(opt)
-    assert opt.sharding is sharding and sharding.owners == (0, 0)
-    assert all(sharding.owns(p) for p in params)  # the AdamW bias is no Muon parameter: stepped here
+    assert opt.sharding is sharding and sharding.plan.owners == (0, 0)
+    assert all(sharding.stepped(p) is p for p in params)  # the AdamW bias is no Muon parameter: stepped here
     for step in range(3):
         _grads(plain_params, step)
         _grads(params, step)
@@ -43,6 +43,38 @@ def test_base_sharding_of_one_rank_steps_like_no_sharding():
         torch.testing.assert_close(a, b, rtol=0, atol=0)
     opt.attach_sharding(None)
     assert opt.sharding is None
+
+
+class _CountingSharding(Sharding):
+    """A user-written sharding: whole tensors on one rank, every per-matrix job counted through ``map_whole``."""
+
+    def __init__(self, opt: Muon) -> None:
+        muon = [p for g in opt.param_groups if g["algorithm"] != "adamw" for p in g["params"]]
+        self.calls: list[int] = []
+        super().__init__(opt, muon, plan_ownership([p.shape for p in muon], 1), rank=0, world_size=1)
+
+    def map_whole(self, params, tensors, fn, **kwargs):
+        self.calls.append(len(params))
+        return super().map_whole(params, tensors, fn, **kwargs)
+
+
+@pytest.mark.parametrize("algorithm", ["muon", "mop", "spel"])
+def test_every_per_matrix_job_runs_through_map_whole(algorithm):
+    torch.manual_seed(0)
+    plain_params = [nn.Parameter(torch.randn(6, 4)), nn.Parameter(torch.randn(5, 6))]
+    params = [nn.Parameter(p.detach().clone()) for p in plain_params]
+    plain = Muon([{"params": plain_params, "algorithm": algorithm}])
+    opt = Muon([{"params": params, "algorithm": algorithm}])
+    sharding = _CountingSharding(opt)
+    for step in range(2):
+        _grads(plain_params, step)
+        _grads(params, step)
+        plain.step()
+        opt.step()
+    # Newton-Schulz (muon), the SVD (mop), and for spel the update's and the weight's projection.
+    assert sharding.calls == [2] * (4 if algorithm == "spel" else 2)
+    for a, b in zip(params, plain_params):
+        torch.testing.assert_close(a, b, rtol=0, atol=0)
 
 
 def test_base_sharding_agrees_on_finiteness_and_names_the_parameter():

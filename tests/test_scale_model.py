@@ -48,7 +48,7 @@ def assert_ddp_counts(s: bench_ddp.Settings, ranks: list[dict]) -> None:
     assert len(ranks) == len(counts) == world
     for rank, (d, mod) in enumerate(zip(ranks, counts)):
         rs = d["reduce_scatter"]
-        # muon_ddp today: MuonSharding's own counts and DDP's bucket hook, one by one; the
+        # muon_ddp today: MuonDDPSharding's own counts and DDP's bucket hook, one by one; the
         # same with the gradients sent in buckets from backward's hooks.
         for op in ("reduce_scatter", "all_gather", "nonfinite_flag"):
             assert rs["muon_path_bytes_per_step"].get(op, 0.0) == pytest.approx(mod["bytes"].get(op, 0.0)), (rank, op)

@@ -1,4 +1,4 @@
-"""MuonSharding on gloo: owners orthogonalize, results shared; equal to one process."""
+"""MuonDDPSharding on gloo: owners orthogonalize, results shared; equal to one process."""
 
 from __future__ import annotations
 
@@ -10,7 +10,7 @@ from torch import nn
 
 from lightning_muon import Muon, route_parameters
 from lightning_muon.distributed.comm import all_reduce_bytes
-from lightning_muon.distributed.sharded import MuonSharding
+from lightning_muon.distributed.ddp import MuonDDPSharding
 
 pytestmark = [pytest.mark.distributed, pytest.mark.policy_free]  # policy_free: see conftest.py
 
@@ -41,7 +41,7 @@ def _train(rank: int, world: int, mode: str, drop_grad_step: int | None, ns_dtyp
     """``mode="replicated"`` is plain DDP: every gradient averaged, every rank steps every matrix."""
     model = _model()
     opt = _optimizer(model, ns_dtype)
-    sharding = MuonSharding(opt, mode=mode) if world > 1 and mode != "replicated" else None
+    sharding = MuonDDPSharding(opt, mode=mode) if world > 1 and mode != "replicated" else None
     muon_ids = {id(p) for g in opt.param_groups if g["algorithm"] == "muon" for p in g["params"]}
     for step in range(STEPS):
         x, y = _data(step)

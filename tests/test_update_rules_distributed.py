@@ -1,4 +1,4 @@
-"""Every update-rule variant under sharding equals one process: MuonSharding (DDP) and
+"""Every update-rule variant under sharding equals one process: MuonDDPSharding (DDP) and
 MuonFSDPSharding (FSDP2) on 2 gloo ranks, in one launch.
 
 The variants are Muon's settings, plus ``algorithm`` (a Muon variant for the hidden matrices:
@@ -19,7 +19,7 @@ from torch.testing import assert_close
 
 from lightning_muon import Muon, MuonHyperballSettings, route_parameters
 from lightning_muon.algorithms import orthogonalizes
-from lightning_muon.distributed.sharded import MuonSharding
+from lightning_muon.distributed.ddp import MuonDDPSharding
 
 pytestmark = [pytest.mark.numerics, pytest.mark.distributed, pytest.mark.policy_free]  # see conftest.py
 
@@ -64,7 +64,7 @@ def _dist_model() -> nn.Module:
 
 
 def _dist_train(rank: int, world: int) -> list[dict]:
-    """Every variant in turn, MuonSharding (reduce_scatter) when world > 1; params and full states."""
+    """Every variant in turn, MuonDDPSharding (reduce_scatter) when world > 1; params and full states."""
     out = []
     for variant in DIST_VARIANTS:
         model = _dist_model()
@@ -72,7 +72,7 @@ def _dist_train(rank: int, world: int) -> list[dict]:
         groups = route_parameters(model, matrix_algorithm=algorithm)
         settings = dict(lr=0.02, weight_decay=0.1, ns_dtype="float32", **keywords, **own)  # own: the defaults
         opt = _muon(groups, algorithm, settings, adamw_lr=1e-2)
-        sharding = MuonSharding(opt) if world > 1 else None
+        sharding = MuonDDPSharding(opt) if world > 1 else None
         muon_ids = {id(p) for g in opt.param_groups if orthogonalizes(g) for p in g["params"]}
         for step in range(DIST_STEPS):
             gen = torch.Generator().manual_seed(100 + step)
@@ -164,7 +164,7 @@ def _both(rank: int, world: int) -> dict:
 
 @pytest.fixture(scope="module")
 def distributed_runs() -> dict:
-    """One spawn of 2 gloo ranks runs every variant under MuonSharding and under FSDP2; one process too."""
+    """One spawn of 2 gloo ranks runs every variant under MuonDDPSharding and under FSDP2; one process too."""
     return {"single": _both(0, 1), "ranks": run_distributed(_both, 2)}
 
 

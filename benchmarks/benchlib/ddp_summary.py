@@ -17,7 +17,7 @@ from benchlib.ranks import RankSettings, slowest_rank_median
 from lightning_muon.distributed.comm import all_reduce_bytes
 
 # The W-rank configurations, each run on the same W processes: plain DDP (every gradient
-# all-reduced, every rank orthogonalizes every matrix), MuonSharding's two modes, and
+# all-reduced, every rank orthogonalizes every matrix), MuonDDPSharding's two modes, and
 # reduce_scatter with the Muon gradients sent from backward's hooks (overlap).
 CONFIGS = ("ddp", "reduce_scatter", "all_gather", "overlap")
 
@@ -239,7 +239,7 @@ def print_report(s: Settings, ranks: list[dict[str, Any]], summary: dict[str, An
     print(table(["rank", "owned", "NS GFLOP", "plan GFLOP", "DDP rest", "RS muon", "AG muon", "wire"], rows))
     print(
         f"DDP rest = DDP's bucket all-reduce of the {first['numel']['non_muon']:,} non-Muon elements (comm hook); "
-        "RS/AG muon = MuonSharding's own counts; wire = every collective call, counted by a wrapper"
+        "RS/AG muon = MuonDDPSharding's own counts; wire = every collective call, counted by a wrapper"
     )
     conf = summary["bytes"]["per_config"]
     print("\n== MB sent per step, largest rank, by configuration ==")

@@ -201,7 +201,7 @@ def bench_ddp(cfg: dict[str, Any]) -> dict[str, Any]:
 def print_ddp(section: dict[str, Any], cfg: dict[str, Any]) -> None:
     title = f"\n== ddp: {section['world_size']} {_backend(cfg)} ranks, {_dist_line(cfg)}; per rank, second step() =="
     note = (
-        "muon_ddp: MuonSharding(reduce_scatter) with DDP ignoring the Muon matrices, as\n"
+        "muon_ddp: MuonDDPSharding(reduce_scatter) with DDP ignoring the Muon matrices, as\n"
         "MuonDDPStrategy(overlap=False): its step is reduce_gradients() + step(), the all-to-all of Muon\n"
         "gradients included; kept = buffers it keeps between steps (none: its exchange runs in rounds).\n"
         "DDP's own gradient buckets (untouched by the step) are not counted."

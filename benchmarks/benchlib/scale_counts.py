@@ -3,7 +3,7 @@
 The model's Muon matrices (GPT presets, or any module routed as ``Muon`` routes it), the
 cluster topology, and per-rank counts from the project's own planner (``plan_ownership``,
 ``matrix_shapes``, ``shard_rows``, ``ns_flops``) and byte counting (``all_reduce_bytes``, the
-all-to-all counts of ``MuonSharding`` / ``MuonFSDPSharding``).
+all-to-all counts of ``MuonDDPSharding`` / ``MuonFSDPSharding``).
 
 Costs of a collective (bandwidth only; latency is not modelled): an all-reduce, reduce-scatter
 or all-gather over ranks spread as m per node on k nodes is hierarchical (NCCL's rings over
@@ -249,9 +249,9 @@ def ns_flops_of(m: Matrix, steps: int, method: str, dtype: torch.dtype) -> int:
 
 
 def plan_for(shapes: ModelShapes, ranks: int, fsdp: bool = False, spread: set[int] = frozenset(), spread_blocks=None):
-    """``plan_ownership`` as ``MuonSharding`` (or, with ``fsdp``, ``MuonFSDPSharding``) calls it.
+    """``plan_ownership`` as ``MuonDDPSharding`` (or, with ``fsdp``, ``MuonFSDPSharding``) calls it.
 
-    ``spread``: indices of expert stacks ``MuonSharding`` splits by experts over every rank.
+    ``spread``: indices of expert stacks ``MuonDDPSharding`` splits by experts over every rank.
     """
     if fsdp:  # expert stacks stay where FSDP2 put their experts: no owner
         layouts = [MatrixLayout(m.split_sizes, m.batched, m.transposed) for m in shapes.muon]
@@ -284,7 +284,7 @@ def ddp_counts(
 
     Owner groups of ``group_size`` ranks (``group_size == world``: today's design): ranks
     ``[g S, (g + 1) S)`` form group g and share one plan over S ranks. Collective names are
-    ``MuonSharding``'s (``CommStats``): ``reduce_scatter`` (uneven all-to-all of the Muon
+    ``MuonDDPSharding``'s (``CommStats``): ``reduce_scatter`` (uneven all-to-all of the Muon
     gradients to their owners inside the group, one extra flag element per unit: a whole
     matrix, or an expert stack's block of experts, each rank of the group owning one block),
     ``reduce_across`` (the owner's gradients and flags all-reduced with the same local rank

@@ -17,12 +17,12 @@ Emerging-Optimizers cites for it), or a Muon scale by the matrix's shape: ``"ori
 ``sqrt(max(1, fan_out / fan_in))``, ``"spectral"`` ``sqrt(max(fan_out, fan_in))``,
 ``"spectral_norm"`` ``sqrt(fan_out / fan_in)``.
 
-The SVD runs on whole matrices in float32 at least (``PolarFactorSVD``, a
-``newton_schulz.MatrixMap``): a sharding gathers each matrix to its owner as it does for
-Newton-Schulz, with no narrower wire dtype. The nuclear norm is taken as ``<O, U>``, equal to
-``sum_i S_i`` for the exact polar factor, so that a sharding sums it over row blocks as it does
-PolarGrad's (``polargrad.scale_by_nuclear_norm``). Each piece of a split tensor and each matrix
-of an expert stack is its own matrix.
+The SVD runs on whole matrices in float32 at least (``PolarFactorSVD``, through
+``MuonAlgorithm.map_tensors``): a sharding runs it where each matrix is whole
+(``Sharding.map_whole``), as it does Newton-Schulz, with no narrower wire dtype. The nuclear
+norm is taken as ``<O, U>``, equal to ``sum_i S_i`` for the exact polar factor, so that a
+sharding sums it over row blocks as it does PolarGrad's (``polargrad.scale_by_nuclear_norm``).
+Each piece of a split tensor and each matrix of an expert stack is its own matrix.
 
 One difference from Emerging-Optimizers: singular values at rounding level
 (``S_i <= S_max max(rows, cols) eps``, ``torch.linalg.matrix_rank``'s tolerance) span no
@@ -43,7 +43,7 @@ References:
 from __future__ import annotations
 
 from dataclasses import dataclass
-from typing import Any, ClassVar
+from typing import ClassVar
 
 import torch
 from torch import Tensor
@@ -53,7 +53,6 @@ from lightning_muon.algorithms.emerging import EO_DEFAULTS, EmergingVariant
 from lightning_muon.algorithms.families import SHAPE_SCALES, OrthogonalizedSettings
 from lightning_muon.algorithms.muon import MuonRound
 from lightning_muon.algorithms.polargrad import scale_by_nuclear_norm
-from lightning_muon.newton_schulz import MatrixMap
 
 __all__ = ["MOP", "MOPSettings", "MOP_ALGORITHM", "POLAR_FACTOR_SVD", "PolarFactorSVD"]
 
@@ -77,10 +76,8 @@ class MOPSettings(
     }
 
 
-class PolarFactorSVD(MatrixMap):
+class PolarFactorSVD:
     """``P Q^T`` of the thin SVD ``X = P S Q^T``, without the directions of rounding-level singular values."""
-
-    name = "polar factor by SVD"
 
     def __call__(self, X: Tensor) -> Tensor:  # (rows, cols), float32 or float64
         if X.numel() == 0:
@@ -101,11 +98,18 @@ class MOP(EmergingVariant):
     name = "mop"
     settings = MOPSettings
 
-    def ns_options(self, group: dict) -> dict[str, Any]:
-        # The map replaces Newton-Schulz, whose steps and coefficients it ignores; it reads the
-        # updates in float32 at least (a sharding sends them in their own dtype). A float64
-        # "work" dtype makes step_memory's round estimate err high, as an SVD's workspace does.
-        return {"ns_steps": 1, "ns_coefficients": "keller", "ns_dtype": "float64", "ns_method": POLAR_FACTOR_SVD}
+    def orthogonalize(self, ctx: StepContext, group: dict, rnd: MuonRound, donate: bool = False) -> list[list[Tensor]]:
+        """Per update, the polar factors of its matrices by SVD, each matrix whole (on its owner under a sharding)."""
+        return self.map_tensors(ctx, group, rnd.params, rnd.updates, POLAR_FACTOR_SVD, donate=donate)
+
+    def work_dtype(self, group: dict) -> torch.dtype:
+        # A float64 work dtype makes step_memory's round estimate err high, as an SVD's workspace does.
+        return torch.float64
+
+    def donation_dtypes(
+        self, group: dict, matrices: list[Tensor], multi_shapes: frozenset[tuple[int, int]]
+    ) -> list[torch.dtype]:
+        return [M.dtype for M in matrices]  # the SVD reads each update in its own dtype (float32 at least)
 
     def keeps_updates(self, group: dict) -> bool:
         return group["adjust_lr"] == "nuclear_norm"  # <O, U> reads the updates after the SVD

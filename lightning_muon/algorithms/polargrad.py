@@ -66,34 +66,29 @@ def scale_by_nuclear_norm(ctx: StepContext, group: dict, rnd: MuonRound) -> list
     sharding = ctx.sharding
     local = ctx.local_shard
     sums = [_inner_products(local(u), [local(o) for o in pieces], layout) for u, pieces in zip(rnd.updates, rnd.ortho)]
-    if layout.batched:
-        # Whole experts on every rank under every sharding: each (P, B) row is complete here.
-        return [[_times_per_matrix(o, s) for o, s in zip(pieces, per)] for pieces, per in zip(rnd.ortho, sums)]
-    total = torch.stack(sums)  # (K, P): per parameter, this rank's part of each piece's <O, U>
+    total = torch.cat(sums)  # (sum B, P): per matrix of each batch (B = 1: one matrix), this rank's part
     if sharding is not None:
-        total = sharding.reduce_matrix_sums(rnd.params, total)
-    # One host sync per round; a DTensor piece (FSDP2) scales by a Python float as it is.
-    return [
-        [o.to(torch.promote_types(o.dtype, torch.float32)) * s for o, s in zip(pieces, row)]
-        for pieces, row in zip(rnd.ortho, total.tolist())
-    ]
+        total = sharding.reduce_matrix_sums(rnd.params, total, layout)  # as they are where the matrices are whole
+    per_param = total.split([s.shape[0] for s in sums])
+    return [[_times_per_matrix(o, s[:, j]) for j, o in enumerate(pieces)] for pieces, s in zip(rnd.ortho, per_param)]
 
 
 def _inner_products(u: Tensor, pieces: list[Tensor], layout: MatrixLayout) -> Tensor:
-    """``<O, U>`` per piece over this rank's part, float64: ``(P,)``, or ``(P, B)`` for an expert stack."""
+    """``<O, U>`` per matrix and piece over this rank's part, float64: ``(B, P)``, ``B`` the matrices of a batch
+    on this rank (1 for one matrix)."""
     out = []
     for view, o in zip(layout.views(u.contiguous()), pieces):
         work = torch.promote_types(torch.promote_types(view.dtype, o.dtype), torch.float32)
         prod = view.reshape(o.shape).to(work) * o.to(work)  # (B?, rows, cols)
-        out.append(prod.sum(dim=(-2, -1)).reshape(-1) if layout.batched else prod.sum())
-    return torch.stack(out).to(torch.float64)
+        out.append(prod.sum(dim=(-2, -1)).reshape(-1))  # (B,)
+    return torch.stack(out, dim=1).to(torch.float64)
 
 
 def _times_per_matrix(o: Tensor, s: Tensor) -> Tensor:
-    """``o`` (``(B, rows, cols)``; a DTensor's local experts under FSDP2) times ``s[b]`` per matrix, in float32+."""
+    """``o`` (``(B?, rows, cols)``; a DTensor's local part under FSDP2) times ``s[b]`` per matrix, in float32+."""
     x = o.to_local() if isinstance(o, DTensor) else o
     work = torch.promote_types(x.dtype, torch.float32)
-    x = x.to(work) * s.to(device=x.device, dtype=work).view(-1, 1, 1)
+    x = x.to(work) * s.to(device=x.device, dtype=work).view(*x.shape[:-2], 1, 1)
     if isinstance(o, DTensor):
         x = DTensor.from_local(x, o.device_mesh, o.placements, run_check=False, shape=o.shape, stride=o.stride())
     return x

@@ -56,11 +56,9 @@ from lightning_muon.algorithms.emerging import EO_DEFAULTS, EmergingVariant
 from lightning_muon.algorithms.families import NewtonSchulzSettings
 from lightning_muon.algorithms.muon import MuonRound
 from lightning_muon.algorithms.settings import setting
-from lightning_muon.newton_schulz import MatrixMap
 
 __all__ = [
     "SINKHORN_MUON",
-    "SinkhornMap",
     "SinkhornMuon",
     "SinkhornMuonSettings",
     "sinkhorn_knopp",
@@ -124,22 +122,6 @@ def sinkhorn_knopp(W: Tensor, num_iters: int = 20, eps: float = 1e-8) -> Tensor:
     return P.to(W.dtype)
 
 
-class SinkhornMap(MatrixMap):
-    """``sinkhorn_knopp`` as a ``MatrixMap``: a sharding runs it on whole matrices, on their owners."""
-
-    name = "Sinkhorn-Knopp map"
-
-    def __init__(self, num_iters: int, eps: float) -> None:
-        self.num_iters = num_iters
-        self.eps = eps
-
-    def __call__(self, X: Tensor) -> Tensor:
-        return sinkhorn_knopp(X, self.num_iters, self.eps)
-
-    def __repr__(self) -> str:
-        return f"SinkhornMap(num_iters={self.num_iters}, eps={self.eps})"
-
-
 class SinkhornMuon(EmergingVariant):
     """``"sinkhorn_muon"``: Emerging-Optimizers' Muon step, then the weight mapped by ``sinkhorn_knopp``."""
 
@@ -179,12 +161,11 @@ class SinkhornMuon(EmergingVariant):
     @torch.no_grad()
     def after_update(self, ctx: StepContext, group: dict, rnd: MuonRound) -> None:
         """``W <- sinkhorn_knopp(W)`` for every weight of the round, each whole (on its owner under a sharding)."""
-        mapping = SinkhornMap(group["num_iters"], group["eps"])
-        # A map reads each matrix in its own dtype, float32 at least, whatever ns_dtype says (a
-        # sharding sends it so too).
+        num_iters, eps = group["num_iters"], group["eps"]
+        # Each matrix in its own dtype, float32 at least, whatever ns_dtype says (a sharding sends it so too).
         weights = [p.detach() for p in rnd.params]
-        mapped = self.orthogonalize_tensors(
-            ctx, group, rnd.params, weights, rnd.cap, rnd.multi_shapes, ns_method=mapping, observe=False
+        mapped = self.map_tensors(
+            ctx, group, rnd.params, weights, lambda X: sinkhorn_knopp(X, num_iters, eps), observe=False
         )
         local = ctx.local_shard
         for p, (piece,) in zip(rnd.params, mapped):

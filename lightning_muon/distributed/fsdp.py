@@ -3,7 +3,7 @@
 Under ``fully_shard`` every parameter, gradient and momentum buffer is a DTensor sharded
 on dim 0 (``Shard(0)``, ``torch.chunk`` row blocks: 5 rows on 3 ranks are 2, 2, 1; 2 rows
 on 3 ranks leave one rank an empty shard). Newton-Schulz needs whole matrices, so for one
-Muon param group ``MuonFSDPSharding.orthogonalize`` does::
+Muon param group ``MuonFSDPSharding.orthogonalize`` (Newton-Schulz through ``map_whole``) does::
 
     U_i = momentum update of matrix i, rank r holding rows R_r(i)       # DTensor, Shard(0)
     owner(i) from plan_ownership(global shapes)                          # same plan on all ranks
@@ -41,10 +41,8 @@ from torch.distributed.tensor import DTensor, Replicate, Shard
 from lightning_muon.algorithms import per_matrix
 from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v
 from lightning_muon.distributed.planning import plan_ownership
-from lightning_muon.distributed.protocol import Sharding
-from lightning_muon.functional import muon_orthogonalize
+from lightning_muon.distributed.protocol import Observer, Sharding, WholeWork
 from lightning_muon.layout import MatrixLayout, layout_of
-from lightning_muon.newton_schulz import MatrixMap, resolve_ns_dtype
 
 __all__ = ["FSDP_MODES", "MuonFSDPSharding", "exchange_with_owners", "muon_params", "shard_rows"]
 
@@ -70,16 +68,6 @@ def blocks_refused(sharding: str, where: str, layout: MatrixLayout) -> str:
         f"{layout.blocks}, DBRX's (E * F, H) layout); FSDP2's row shards cut across its experts, so it is not "
         "supported here: train it under muon_ddp, or store the experts as a 3-D (E, F, H) stack"
     )
-
-
-def rows_stay_whole(layout: MatrixLayout) -> bool:
-    """Whether a ``Shard(0)`` row block of a tensor is, piece by piece, a row block of each piece.
-
-    True unless ``split_sizes`` cut dim 0 itself (a fused QKV stored ``(out, in)``): a split
-    along the columns (a ``Conv1D``'s fused QKV) leaves every piece all the rows, and a batch
-    of matrices (an expert stack, sharded over its experts) leaves whole matrices.
-    """
-    return layout.split_sizes is None or layout.batched or layout.transposed
 
 
 class MuonFSDPSharding(Sharding):
@@ -125,7 +113,7 @@ class MuonFSDPSharding(Sharding):
             [tuple(p.shape) for p in params],
             self.mesh.size(),
             layouts=layouts,
-            spread=[lay.batched for lay in layouts],  # expert stacks: every rank its own experts
+            spread=[lay.row_blocks_hold_whole_matrices for lay in layouts],  # expert stacks: every rank its own experts
         )
         self._warned_observer = False
         super().__init__(
@@ -140,19 +128,21 @@ class MuonFSDPSharding(Sharding):
 
     # ------------------------------------------------------------------ the protocol
 
-    def owns(self, p: Tensor) -> bool:
+    def stepped(self, p: Tensor) -> Tensor:
         """Every rank steps its shard of every parameter."""
-        return True
+        return p
 
     def local_shard(self, t: Tensor) -> Tensor:
         """This rank's part of ``t``: the local tensor of a DTensor, ``t`` itself otherwise."""
         return t.to_local() if isinstance(t, DTensor) else t
 
-    def round_owners(self, group: dict, params: list[Tensor]) -> list[int | None]:
-        """Each parameter's owner; None for expert stacks and in blockwise mode (every rank its own rows)."""
-        if self.mode == "blockwise" or layout_of(group).batched:
-            return [None] * len(params)
-        return [self.owner(p) for p in params]
+    def holds_whole(self, layout: MatrixLayout) -> bool:
+        """A ``Shard(0)`` row block holds whole matrices where the layout's dim 0 indexes them (expert stacks)."""
+        return layout.row_blocks_hold_whole_matrices
+
+    def round_owners(self, group: dict, params: list[Tensor]) -> list[int | None] | None:
+        """Each parameter's owner; None where every rank works on its own rows (whole experts, blockwise mode)."""
+        return None if self.mode == "blockwise" else super().round_owners(group, params)
 
     def agreement_extra(self) -> list[int]:
         """Which Muon matrices have gradients, hashed: FSDP2 gives a gradient on all ranks or on none.
@@ -172,7 +162,7 @@ class MuonFSDPSharding(Sharding):
             )
 
     @torch.no_grad()
-    def reduce_matrix_sums(self, params: list[Tensor], partial: Tensor) -> Tensor:
+    def reduce_matrix_sums(self, params: list[Tensor], partial: Tensor, layout: MatrixLayout) -> Tensor:
         """Whole-matrix sums: one all-reduce of the ``(K, k)`` per-rank sums (``Sharding.reduce_matrix_sums``).
 
         Every rank holds a row block of every matrix, so whole-matrix sums are the sums of the
@@ -181,6 +171,8 @@ class MuonFSDPSharding(Sharding):
         that several ranks hold alike (replicated on a tensor-parallel mesh dim) counts once:
         each holder adds its share.
         """
+        if self.holds_whole(layout):
+            return partial  # whole experts here: their sums are complete
         copies = [_copies(p, self.world_size) for p in params]
         total = partial.clone()
         if any(c > 1 for c in copies):
@@ -189,130 +181,55 @@ class MuonFSDPSharding(Sharding):
             all_reduce_(total, group=self.group, stats=self.stats, name="matrix_sums")
         return total
 
-    # ------------------------------------------------------------------ orthogonalization
-
-    @torch.no_grad()
-    def orthogonalize(self, params: list[Tensor], updates: list[Tensor], **ns_kwargs) -> list[list[Tensor]]:
-        """Per update, its orthogonalized pieces as ``Shard(0)`` DTensors with the pieces' global shapes.
-
-        ``ns_kwargs`` are ``functional.muon_orthogonalize``'s keywords (``layout``,
-        ``ns_steps``, ``ns_coefficients``, ``ns_dtype``, ...). Every rank must call it with
-        the same parameters (``step_finite`` checked that).
-        """
-        layout = ns_kwargs["layout"]
-        if self.mode == "blockwise" or layout.batched:
-            # Blockwise: each rank's rows alone (an approximation). Batched: each rank's rows
-            # are whole matrices (experts), so this is exact and sends nothing.
-            return self._orthogonalize_here(updates, ns_kwargs)
-        return self._orthogonalize_by_owner(params, updates, ns_kwargs)
-
-    def _orthogonalize_here(self, updates: list[Tensor], ns_kwargs: dict) -> list[list[Tensor]]:
-        """Each rank orthogonalizes the matrices of its own local tensors; nothing is sent.
-
-        Exact for expert stacks sharded over their experts only (whole matrices on every rank),
-        an approximation in blockwise mode.
-        """
-        layout = ns_kwargs["layout"]
-        self._warn_unobserved(
-            "blockwise mode never holds a whole matrix"
-            if self.mode == "blockwise"
-            else "batched stacks are orthogonalized where their experts live, without owners"
-        )
-        local = [self.local_shard(u).contiguous() for u in updates]
-        filled = [i for i, u in enumerate(local) if u.numel()]  # an empty shard stays empty
-        ortho = [layout.views(u) for u in local]
-        for i, o in zip(filled, muon_orthogonalize([local[i] for i in filled], **ns_kwargs)):
-            ortho[i] = o
-        return [self._pieces_as_dtensors(o, u, layout) for o, u in zip(ortho, updates)]
-
-    def _warn_unobserved(self, why: str) -> None:
-        if self.optimizer.has_update_hooks and self.observing and not self._warned_observer:
-            self._warned_observer = True
-            warnings.warn(
-                f"MuonFSDPSharding: {why}; the update hooks are not run for them", RuntimeWarning, stacklevel=3
-            )
-
-    def _wire_dtype(self, updates: list[Tensor], ns_dtype, ns_method=None) -> torch.dtype:
-        base = updates[0].dtype
-        for u in updates[1:]:
-            base = torch.promote_types(base, u.dtype)
-        if isinstance(ns_method, MatrixMap):
-            return base  # a map (an SVD, Sinkhorn-Knopp) reads its matrices in their own dtype
-        work = resolve_ns_dtype(ns_dtype, updates[0].device, base)
-        # Newton-Schulz casts its input to ``work`` first and returns values of that dtype:
-        # a narrower wire dtype then loses nothing (module docstring).
-        return work if work.itemsize < base.itemsize else base
-
-    def _orthogonalize_by_owner(
-        self, params: list[Tensor], updates: list[Tensor], ns_kwargs: dict
-    ) -> list[list[Tensor]]:
-        layout = ns_kwargs["layout"]
-
-        def compute(mine: list[int], full: list[Tensor]) -> list[Tensor]:
-            # The owner orthogonalizes all its whole matrices at once, then lays each tensor's
-            # pieces back out in the tensor's own shape, so that its row blocks travel back.
-            ortho = muon_orthogonalize(full, **ns_kwargs)
-            self._observe(params, updates, mine, full, ortho)
-            if layout.split_sizes is None:
-                return [o[0] for o in ortho]
-            whole = []
-            for f, pieces in zip(full, ortho):
-                out = f.new_empty(f.shape, dtype=pieces[0].dtype)
-                for slot, piece in zip(layout.slots(out), pieces):
-                    slot.copy_(piece.view(slot.shape))
-                whole.append(out)
-            return whole
-
-        def place(i: int, rows: Tensor) -> Tensor:
-            return self._pieces_as_dtensors(layout.views(rows.contiguous()), updates[i], layout)
-
-        rank = self.rank
-        return exchange_with_owners(
-            [self.local_shard(u) for u in updates],
-            [tuple(u.shape) for u in updates],
-            [self.plan.owners[self._index[id(p)]] for p in params],
-            [u.dtype for u in updates],
-            self._wire_dtype(updates, ns_kwargs.get("ns_dtype"), ns_kwargs.get("ns_method")),
-            self.group,
-            rank,
-            self.world_size,
-            self.stats,
-            compute,
-            place,
-            mismatch=lambda i, shard, expected: (
-                f"MuonFSDPSharding: a shard of shape {shard} of a {tuple(updates[i].shape)} tensor on rank {rank}; "
-                f"expected {expected} rows (torch.chunk blocks of dim 0)"
-            ),
-        )
+    # ------------------------------------------------------------------ work on whole matrices
 
     @torch.no_grad()
     def map_whole(
         self,
         params: list[Tensor],
         tensors: list[list[Tensor]],
-        fn: Callable[[int, list[Tensor]], list[Tensor]],
+        fn: WholeWork,
+        *,
+        layout: MatrixLayout | None = None,
+        wire_dtype: torch.dtype | None = None,
+        observe: Observer | None = None,
     ) -> list[list[Tensor]]:
         """``Sharding.map_whole`` by owners: each parameter's tensors whole on its owner, ``fn`` there, rows back.
 
         Every tensor is a ``Shard(0)`` DTensor on the parameters' mesh (``torch.chunk`` row
-        blocks); one ``exchange_with_owners`` carries them all, in their own dtypes' widest,
-        and returns each rank its rows of every result as plain tensors.
+        blocks); one ``exchange_with_owners`` carries them all, in ``wire_dtype`` or else their
+        own dtypes' widest, and each result comes back in its tensor's dtype. With a ``layout``
+        whose matrices a row block holds whole (``holds_whole``: expert stacks), and in
+        blockwise mode (each rank's rows stand for whole matrices: an approximation), ``fn``
+        runs on every rank's own rows and nothing is sent.
         """
+        if layout is not None and (self.mode == "blockwise" or self.holds_whole(layout)):
+            return self._map_here(tensors, fn, layout, observe)
         counts = [len(ts) for ts in tensors]
         starts = [sum(counts[:i]) for i in range(len(counts))]
         flat = [t for ts in tensors for t in ts]
         param_of = [i for i, n in enumerate(counts) for _ in range(n)]
         owners = [self.plan.owners[self._index[id(params[i])]] for i in param_of]
-        wire = flat[0].dtype
-        for t in flat[1:]:
-            wire = torch.promote_types(wire, t.dtype)
+        wire = wire_dtype or flat[0].dtype
+        if wire_dtype is None:
+            for t in flat[1:]:
+                wire = torch.promote_types(wire, t.dtype)
 
         def compute(mine: list[int], full: list[Tensor]) -> list[Tensor]:
             whole = dict(zip(mine, full))
-            out = []
-            for i in dict.fromkeys(param_of[k] for k in mine):  # this rank's parameters, in order
-                out += fn(i, [whole[starts[i] + j] for j in range(counts[i])])
-            return out
+            indices = list(dict.fromkeys(param_of[k] for k in mine))  # this rank's parameters, in order
+            wholes = [[whole[starts[i] + j] for j in range(counts[i])] for i in indices]
+            results = fn(indices, wholes)
+            if observe is not None:
+                observe(indices, wholes, results)
+            if layout is not None:  # the pieces laid back out in the tensor's shape, so that its row blocks travel
+                results = [[_join_pieces(ws[0], pieces, layout)] for ws, pieces in zip(wholes, results)]
+            return [r for rs in results for r in rs]
+
+        def place(k: int, rows: Tensor) -> list[Tensor]:
+            if layout is None:
+                return [rows]
+            return self._pieces_as_dtensors(layout.views(rows.contiguous()), flat[k], layout)
 
         rank = self.rank
         parts = exchange_with_owners(
@@ -326,13 +243,46 @@ class MuonFSDPSharding(Sharding):
             self.world_size,
             self.stats,
             compute,
-            lambda i, rows: [rows],
-            mismatch=lambda i, shard, expected: (
-                f"MuonFSDPSharding.map_whole: a shard of shape {shard} of a {tuple(flat[i].shape)} tensor on rank "
-                f"{rank}; expected {expected} rows (torch.chunk blocks of dim 0)"
+            place,
+            mismatch=lambda k, shard, expected: (
+                f"MuonFSDPSharding: a shard of shape {shard} of a {tuple(flat[k].shape)} tensor on rank {rank}; "
+                f"expected {expected} rows (torch.chunk blocks of dim 0)"
             ),
         )
+        if layout is not None:
+            return parts
         return [[parts[starts[i] + j][0] for j in range(counts[i])] for i in range(len(tensors))]
+
+    def _map_here(
+        self, tensors: list[list[Tensor]], fn: WholeWork, layout: MatrixLayout, observe: Observer | None
+    ) -> list[list[Tensor]]:
+        """``fn`` on every rank's own rows of each tensor; nothing is sent.
+
+        Exact for expert stacks sharded over their experts (whole matrices on every rank), an
+        approximation in blockwise mode. The pieces come back in their tensors' dtypes.
+        """
+        if observe is not None:
+            self._warn_unobserved(
+                "blockwise mode never holds a whole matrix"
+                if self.mode == "blockwise"
+                else "expert stacks are worked on where their experts live, without owners"
+            )
+        local = [self.local_shard(ts[0]).contiguous() for ts in tensors]
+        filled = [i for i, u in enumerate(local) if u.numel()]  # an empty shard stays empty
+        out = [layout.views(u) for u in local]
+        for i, pieces in zip(filled, fn(filled, [[local[i]] for i in filled])):
+            out[i] = pieces
+        return [
+            self._pieces_as_dtensors([o.to(ts[0].dtype) for o in pieces], ts[0], layout)
+            for pieces, ts in zip(out, tensors)
+        ]
+
+    def _warn_unobserved(self, why: str) -> None:
+        if not self._warned_observer:
+            self._warned_observer = True
+            warnings.warn(
+                f"MuonFSDPSharding: {why}; the update hooks are not run for them", RuntimeWarning, stacklevel=4
+            )
 
     def _pieces_as_dtensors(self, local_pieces: list[Tensor], like: Tensor, layout: MatrixLayout) -> list[Tensor]:
         """DTensors of the pieces of ``like`` (a DTensor sharded on dim 0 only) from this rank's rows of each.
@@ -350,27 +300,6 @@ class MuonFSDPSharding(Sharding):
         local = local.reshape(-1, *shape[1:]) if len(shape) > 1 else local
         return DTensor.from_local(
             local.contiguous(), mesh, tuple(placements), run_check=False, shape=shape, stride=_strides(shape)
-        )
-
-    def _observe(
-        self,
-        params: list[Tensor],
-        updates: list[Tensor],
-        mine: list[int],
-        full: list[Tensor],
-        ortho: list[list[Tensor]],
-    ) -> None:
-        if not self.optimizer.has_update_hooks or not mine or not self.observing:
-            return
-        # Looked up now: loading a state dict replaces the group dicts (not the parameters).
-        first = params[mine[0]]
-        group = next(g for g in self.optimizer.param_groups if any(q is first for q in g["params"]))
-        dtypes = [updates[i].dtype for i in mine]
-        self.optimizer.run_update_hooks(
-            group,
-            [params[i] for i in mine],
-            [f.to(d) for f, d in zip(full, dtypes)],
-            [[o.to(d) for o in pieces] for pieces, d in zip(ortho, dtypes)],
         )
 
 
@@ -451,6 +380,16 @@ def exchange_with_owners(
     return out  # type: ignore[return-value]
 
 
+def _join_pieces(whole: Tensor, pieces: list[Tensor], layout: MatrixLayout) -> Tensor:
+    """``pieces`` (``layout.views`` of a tensor shaped like ``whole``) written into one such tensor, in their dtype."""
+    if layout.split_sizes is None:
+        return pieces[0]  # the one piece is the tensor, reshaped
+    out = whole.new_empty(whole.shape, dtype=pieces[0].dtype)
+    for slot, piece in zip(layout.slots(out), pieces):
+        slot.copy_(piece.view(slot.shape))
+    return out
+
+
 def _cat_as(pieces: list[Tensor], dtype: torch.dtype, like: Tensor) -> Tensor:
     """``torch.cat(pieces).to(dtype)`` in one pass: each piece cast as it is copied in (no full-size copy first)."""
     out = like.new_empty(sum(t.numel() for t in pieces), dtype=dtype)
@@ -505,7 +444,7 @@ def _check_group(g: dict, where: str, params: list[Tensor]) -> None:
     layout = layout_of(g)
     if layout.blocks is not None:
         raise ValueError(blocks_refused("MuonFSDPSharding", where, layout))
-    if not rows_stay_whole(layout):
+    if not layout.row_blocks_hold_piece_rows:
         raise ValueError(
             f"MuonFSDPSharding: {where} has split_sizes {layout.split_sizes} along dim 0, which is not supported "
             "under FSDP2 (its pieces cut across the row shards): route it without a split (MuonConfig "

@@ -1,7 +1,7 @@
 """Muon gradients on their way to owners while backward still runs: bucketed, asynchronous all-to-alls.
 
 DDP overlaps its all-reduce with backward by launching a bucket as soon as its gradients
-are ready. ``MuonSharding`` does the same for the matrices DDP ignores, with its own
+are ready. ``MuonDDPSharding`` does the same for the matrices DDP ignores, with its own
 post-accumulate-grad hooks (Lightning registers DDP communication hooks on CUDA only, and
 the same code must run under gloo on CPU):
 
@@ -10,7 +10,7 @@ the same code must run under gloo on CPU):
         -> async all_to_all_v(b) in the group    #   so every rank issues the same sequence
     an earlier bucket's all-to-all completed     # polled from the hooks, in order
         -> rows summed, async all_reduce across groups
-    MuonSharding.reduce_gradients()              # the step: launch what is left (a parameter
+    MuonDDPSharding.reduce_gradients()           # the step: launch what is left (a parameter
         -> wait on every handle, in order        #   without a gradient this time), wait,
                                                  #   then the same owned gradients as unbucketed
 
@@ -38,7 +38,7 @@ class OverlappedReduce:
     """Buckets of Muon gradients sent to their owners from backward hooks; ``finish`` waits for them.
 
     Args:
-        sharding: the ``MuonSharding`` whose parameters, plan and groups are used.
+        sharding: the ``MuonDDPSharding`` whose parameters, plan and groups are used.
         should_sync: returns True during a backward whose gradients are to be reduced (a DDP
             module's ``require_backward_grad_sync``).
         bucket_cap_mb: bucket size; buckets fill in reverse parameter order (backward's).
@@ -101,7 +101,7 @@ class OverlappedReduce:
         b = self._bucket_of[id(p)]
         if id(p) in self._ready[b] or b < self._launched:
             raise RuntimeError(
-                "MuonSharding: a Muon gradient was accumulated twice in synchronizing backward passes before the "
+                "MuonDDPSharding: a Muon gradient was accumulated twice in synchronizing backward passes before the "
                 "optimizer step; its first value is already on its way to its owner. Accumulate the micro-batches "
                 "but the last inside DDP's no_sync (under Fabric: with fabric.no_backward_sync(model)), or build "
                 "the strategy with overlap=False"

@@ -1,20 +1,26 @@
-"""The sharding protocol: how a ``Muon`` optimizer splits its Newton-Schulz work across ranks.
+"""The sharding protocol: how a ``Muon`` optimizer splits its per-matrix work across ranks.
 
 A sharding holds the Muon parameters of one optimizer, an ``OwnershipPlan`` (the rank
-that orthogonalizes each whole matrix) and a process group. ``Muon`` reaches it through
+that works on each whole matrix) and a process group. ``Muon`` reaches it through
 ``Muon.attach_sharding`` and calls only the methods of ``Sharding`` below, in this
 order within one ``step``::
 
     sharding.step_finite()         # the agreed "every gradient is finite" (one collective)
-    sharding.owns(p)               # which parameters this rank steps
+    sharding.stepped(p)            # what of each parameter this rank steps
     sharding.local_shard(grad)     # the part of a gradient this rank holds
-    sharding.orthogonalize(...)    # per Muon group: Newton-Schulz on whole matrices
-    sharding.reduce_matrix_sums()  # a variant that needs whole-matrix norms (MuonHyperball)
+    sharding.map_whole(...)        # per-matrix work where each matrix is whole: Newton-Schulz
+                                   #   (``orthogonalize``), MOP's SVD, Sinkhorn, Spel, SOAP
+    sharding.reduce_matrix_sums()  # whole-matrix sums from every rank's part (MuonHyperball, PolarGrad, NAMO)
     sharding.gather_parameters()   # after the update: results to every rank
 
-``MuonSharding`` (DDP: whole tensors on every rank, gradients reduced onto owners) and
+``map_whole`` is the one way to run work on a matrix's owner; ``orthogonalize`` is a call of
+it (Newton-Schulz). Whether a rank's part of a tensor already holds whole matrices is a
+fact of the group's ``MatrixLayout`` and of the placement (``holds_whole``): an expert
+stack sharded over its experts does, and then nothing moves.
+
+``MuonDDPSharding`` (DDP: whole tensors on every rank, gradients reduced onto owners) and
 ``MuonFSDPSharding`` (FSDP2: ``Shard(0)`` DTensors, rows sent to owners and back) are
-its two subclasses; a new layout (owner groups, tensor parallelism) is a third.
+subclasses; ``MuonTPSharding`` (a data x tensor mesh) is a third.
 
 Finiteness is agreed by one all-reduce (MAX) of an integer vector ``[bad, *extra]``:
 ``bad`` is 1 on a rank whose gradients hold a NaN or an inf, ``extra`` what a subclass
@@ -26,8 +32,7 @@ a collective of the step.
 
 from __future__ import annotations
 
-import contextlib
-from collections.abc import Callable, Iterator
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -38,8 +43,45 @@ from torch import Tensor
 from lightning_muon.distributed.comm import CommStats, all_reduce_
 from lightning_muon.distributed.planning import OwnershipPlan
 from lightning_muon.functional import all_finite, muon_orthogonalize
+from lightning_muon.layout import MatrixLayout, layout_of
+from lightning_muon.newton_schulz import resolve_ns_dtype
 
-__all__ = ["FiniteVerdict", "Sharding"]
+__all__ = ["FiniteVerdict", "NewtonSchulzWork", "Observer", "Sharding", "WholeWork", "ns_wire_dtype"]
+
+WholeWork = Callable[[list[int], list[list[Tensor]]], list[list[Tensor]]]
+"""``fn(indices, wholes) -> results`` of ``Sharding.map_whole``: work on the parameters a rank holds whole."""
+Observer = Callable[[list[int], list[list[Tensor]], list[list[Tensor]]], None]
+"""``observe(indices, wholes, results)`` of ``Sharding.map_whole``: sees an owner's whole inputs and results."""
+
+
+class NewtonSchulzWork:
+    """Newton-Schulz as ``map_whole`` work: ``muon_orthogonalize`` on the whole updates, pieces in its dtype.
+
+    A sharding may recognize it to iterate on blocks instead of whole matrices
+    (``MuonTPSharding``'s ``tp_mode="distributed"``); any other sharding just calls it.
+    """
+
+    def __init__(self, ns_kwargs: dict[str, Any]) -> None:
+        self.ns_kwargs = ns_kwargs
+        """``functional.muon_orthogonalize``'s keywords, ``layout`` among them."""
+
+    def __call__(self, indices: list[int], wholes: list[list[Tensor]]) -> list[list[Tensor]]:
+        return muon_orthogonalize([w[0] for w in wholes], **self.ns_kwargs, keep_work_dtype=True)
+
+
+def ns_wire_dtype(updates: list[Tensor], ns_dtype: Any) -> torch.dtype | None:
+    """The dtype updates may travel in to Newton-Schulz without loss: its work dtype where narrower, else None.
+
+    Newton-Schulz casts its input to the work dtype first and returns values of that dtype,
+    so sending either in it rounds nothing more.
+    """
+    if not updates:
+        return None
+    base = updates[0].dtype
+    for u in updates[1:]:
+        base = torch.promote_types(base, u.dtype)
+    work = resolve_ns_dtype(ns_dtype, updates[0].device, base)
+    return work if work.itemsize < base.itemsize else None
 
 
 @dataclass(frozen=True)
@@ -105,30 +147,27 @@ class Sharding:
         """The first bad parameter of the last agreement that found one, as the step's error names it."""
         optimizer.attach_sharding(self)
 
-    # ------------------------------------------------------------------ ownership
+    # ------------------------------------------------------------------ what this rank holds and steps
 
-    @property
-    def owners(self) -> tuple[int, ...]:
-        """``owners[i]``: the rank that orthogonalizes ``params[i]``."""
-        return self.plan.owners
+    def stepped(self, p: Tensor) -> Tensor | None:
+        """What this rank steps of ``p``: ``p`` when it owns the matrix or ``p`` is no Muon parameter, else None.
 
-    def owner(self, p: Tensor) -> int | None:
-        """The rank that orthogonalizes ``p``, or None for a parameter outside ``params``."""
+        A subclass may give a part (DDP: a block of an expert stack's experts; FSDP2: every DTensor).
+        """
         i = self._index.get(id(p))
-        return None if i is None else self.plan.owners[i]
-
-    def owns(self, p: Tensor) -> bool:
-        """True when this rank steps ``p``: it owns the matrix, or ``p`` is not a Muon parameter."""
-        owner = self.owner(p)
-        return owner is None or owner == self.rank
+        return p if i is None or self.plan.owners[i] == self.rank else None
 
     def local_shard(self, t: Tensor) -> Tensor:
         """The part of ``t`` (a parameter, gradient or state tensor) this rank holds."""
         return t
 
-    def stepped(self, p: Tensor) -> Tensor | None:
-        """What this rank steps of ``p``: ``p`` itself when it owns it, else None (a subclass may give a part)."""
-        return p if self.owns(p) else None
+    def holds_whole(self, layout: MatrixLayout) -> bool:
+        """Whether this rank's part of a tensor of ``layout`` holds whole matrices: per-matrix work runs there.
+
+        The placement's half of the fact; the layout says which dims index matrices
+        (``MatrixLayout.row_blocks_hold_whole_matrices``). True here: every tensor is whole.
+        """
+        return True
 
     def lend_state(self) -> None:
         """Before the step's groups: move state to the parts ``stepped`` gives (none by default)."""
@@ -136,74 +175,114 @@ class Sharding:
     def return_state(self) -> None:
         """After the step's groups: the lent state back under its parameters (none by default)."""
 
-    def part_grads(self) -> list[Tensor]:
-        """Gradients of the parts ``stepped`` gives besides whole parameters (none by default)."""
-        return []
-
     def round_owners(self, group: dict, params: list[Tensor]) -> list[int | None] | None:
-        """Who orthogonalizes each of ``params`` (of ``group``) in a step's rounds (``step_memory.plan_rounds``).
+        """Who works on each of ``params`` (of ``group``) in a step's rounds (``step_memory.plan_rounds``).
 
-        None (the default): this rank orthogonalizes everything it steps, and plans its rounds
-        alone (no collective runs per round). A sharding that sends matrices to owners inside
-        ``orthogonalize`` returns each one's owner rank (None where every rank does its own
-        part), so that every rank plans the same rounds and each owner's share fits the cap.
+        None where this rank holds the group's matrices whole (``holds_whole``): it works on
+        everything it steps, and plans its rounds alone (no collective runs per round).
+        Otherwise each one's owner rank, so that every rank plans the same rounds and each
+        owner's share fits the cap.
         """
-        return None
+        if self.holds_whole(layout_of(group)):
+            return None
+        return [self.plan.owners[self._index[id(p)]] for p in params]
 
     # ------------------------------------------------------------------ the step
-
-    def orthogonalize(self, params: list[Tensor], updates: list[Tensor], **ns_kwargs: Any) -> list[list[Tensor]]:
-        """Per update of ``params``, its orthogonalized pieces, shaped like ``MatrixLayout.views``.
-
-        ``ns_kwargs`` are ``functional.muon_orthogonalize``'s keywords. Every rank calls it
-        with the same groups in the same order. The default orthogonalizes here what this
-        rank holds whole; pieces stay in Newton-Schulz's dtype (``muon_apply_`` adds them
-        into the parameters in one pass).
-        """
-        return muon_orthogonalize(updates, **ns_kwargs, keep_work_dtype=True)
 
     def map_whole(
         self,
         params: list[Tensor],
         tensors: list[list[Tensor]],
-        fn: Callable[[int, list[Tensor]], list[Tensor]],
+        fn: WholeWork,
+        *,
+        layout: MatrixLayout | None = None,
+        wire_dtype: torch.dtype | None = None,
+        observe: Observer | None = None,
     ) -> list[list[Tensor]]:
-        """Per parameter ``i``, ``fn(i, wholes)`` on its ``tensors[i]`` whole; returns this rank's part of each result.
+        """Run ``fn`` where each parameter's tensors are whole; return this rank's part of every result.
 
-        The primitive of per-matrix work that is not an orthogonalization (SOAP's step: the
-        gradient and the state's factors in, the update and the new state out). ``tensors[i]``
-        are shaped as the results ``fn`` returns for them, one each, and each is split across
-        ranks as ``params[i]`` is (a DTensor's placements; whole here). This default holds
-        every tensor whole (one process, DDP owners): ``fn`` runs here. Every rank calls it
-        with the same parameters.
+        The one primitive of per-matrix work. ``tensors[i]`` belong to ``params[i]``; every rank
+        calls it with the same parameters in the same order. ``fn(indices, wholes)`` runs on
+        each rank over the parameters it holds whole (``wholes[k]`` is ``tensors[indices[k]]``,
+        whole), all at once, so that same-shape matrices share a batch, and returns per
+        parameter its results:
+
+        - ``layout=None``: one result per tensor, shaped like it (SOAP's step: the gradient and
+          the state's factors in, the update and the new state out). This rank's part of
+          each comes back as a plain tensor, cut as the tensor is.
+        - ``layout`` given: per-matrix work on the layout's matrices (Newton-Schulz, MOP's SVD,
+          Sinkhorn, Spel's projection). Each parameter has one tensor, and ``fn`` returns its
+          pieces (``layout.views``); they come back placed as the tensor is (a DTensor's
+          pieces as DTensors). Where this rank's part holds whole matrices already
+          (``holds_whole``), ``fn`` runs on that part and nothing moves.
+
+        ``wire_dtype``: a dtype narrower than the tensors' that ``fn`` reads them in anyway
+        (Newton-Schulz's bf16), so they travel in it without loss. ``observe(indices, wholes,
+        results)`` is called where ``fn`` ran on an owner's whole matrices, each matrix once
+        over all ranks (the update hooks, for a sharding that ``observes_updates``).
+
+        This default holds every tensor whole (one process, DDP owners): ``fn`` runs here.
         """
-        return [fn(i, ts) for i, ts in enumerate(tensors)]
+        indices = list(range(len(tensors)))
+        results = fn(indices, tensors)
+        if observe is not None:
+            observe(indices, tensors, results)
+        return results
 
-    @property
-    def observing(self) -> bool:
-        """Whether ``orthogonalize`` runs the update hooks on what it orthogonalizes (see ``unobserved``)."""
-        return self.__dict__.get("_observing", True)
+    def orthogonalize(
+        self, params: list[Tensor], updates: list[Tensor], *, observe: bool = True, **ns_kwargs: Any
+    ) -> list[list[Tensor]]:
+        """Per update of ``params``, its orthogonalized pieces (``MatrixLayout.views``): Newton-Schulz by ``map_whole``.
 
-    @contextlib.contextmanager
-    def unobserved(self) -> Iterator[None]:
-        """Within it, ``orthogonalize`` runs no update hooks: a stage orthogonalizes something not an update.
-
-        (Spel projects its weights back onto the orthogonal matrices with the same exchange.)
+        ``ns_kwargs`` are ``functional.muon_orthogonalize``'s keywords, ``layout`` among them.
+        Where the pieces are computed here they stay in Newton-Schulz's dtype (``muon_apply_``
+        adds them into the parameters in one pass). ``observe``: whether the update hooks see
+        them (False: a stage orthogonalizes something other than an update, Spel's weight);
+        only a sharding that ``observes_updates`` runs them here.
         """
-        previous = self.observing
-        self.__dict__["_observing"] = False
-        try:
-            yield
-        finally:
-            self.__dict__["_observing"] = previous
+        return self.map_whole(
+            params,
+            [[u] for u in updates],
+            NewtonSchulzWork(ns_kwargs),
+            layout=ns_kwargs["layout"],
+            wire_dtype=ns_wire_dtype(updates, ns_kwargs.get("ns_dtype")),
+            observe=self.update_observer(params, updates) if observe else None,
+        )
 
-    def reduce_matrix_sums(self, params: list[Tensor], partial: Tensor) -> Tensor:
+    def update_observer(self, params: list[Tensor], updates: list[Tensor]) -> Observer | None:
+        """The update hooks as ``map_whole``'s ``observe`` for ``updates`` of ``params``; None where they run elsewhere.
+
+        ``Muon`` runs the hooks itself unless the sharding ``observes_updates`` (only owners
+        hold whole matrices), and none run without hooks registered.
+        """
+        if not self.observes_updates or not self.optimizer.has_update_hooks:
+            return None
+
+        def observe(indices: list[int], wholes: list[list[Tensor]], results: list[list[Tensor]]) -> None:
+            if not indices:
+                return
+            # Looked up now: loading a state dict replaces the group dicts (not the parameters).
+            first = params[indices[0]]
+            group = next(g for g in self.optimizer.param_groups if any(q is first for q in g["params"]))
+            dtypes = [updates[i].dtype for i in indices]
+            self.optimizer.run_update_hooks(
+                group,
+                [params[i] for i in indices],
+                [w[0].reshape(params[i].shape).to(d) for i, w, d in zip(indices, wholes, dtypes)],
+                [[o.to(d) for o in pieces] for pieces, d in zip(results, dtypes)],
+            )
+
+        return observe
+
+    def reduce_matrix_sums(self, params: list[Tensor], partial: Tensor, layout: MatrixLayout) -> Tensor:
         """Whole-matrix sums from this rank's part of them: ``partial[i]`` sums over its piece of ``params[i]``.
 
         ``partial`` is ``(len(params), k)``: k sums per parameter (squares, dot products) over the
-        elements of it this rank holds (``local_shard``). Returns the sums over whole parameters.
-        Every rank that steps ``params`` calls it with the same parameters. The default, for
-        whole tensors on the rank that steps them (DDP owners), returns ``partial``: no traffic.
+        elements of it this rank holds (``local_shard``); where the rank holds ``layout``'s
+        matrices whole (``holds_whole``) its rows may be per matrix of a batch instead.
+        Returns the sums over whole matrices. Every rank that steps ``params`` calls it with
+        the same parameters. The default, for whole tensors on the rank that steps them (DDP
+        owners), returns ``partial``: no traffic.
         """
         return partial
 
@@ -212,7 +291,7 @@ class Sharding:
 
     # ------------------------------------------------------------------ finiteness
 
-    def local_gradients(self) -> list[Tensor]:
+    def _local_gradients(self) -> list[Tensor]:
         """Every gradient this rank's step reads: the local part of each gradient of a parameter it steps."""
         grads = []
         for group in self.optimizer.param_groups:
@@ -234,14 +313,14 @@ class Sharding:
     def agree_finite(self, grads: list[Tensor] | None = None) -> FiniteVerdict:
         """Agree with every rank whether all gradients are finite: the one collective of the check.
 
-        ``grads`` are this rank's (default: ``local_gradients()``). Every rank must call it,
+        ``grads`` are this rank's (default: every local gradient its step reads). Every rank must call it,
         once per step and before the step's other collectives. The verdict is kept for
         ``step_finite``; with ``nonfinite="ignore"`` nothing is checked and nothing is sent.
         """
         if self.optimizer.nonfinite == "ignore":
             self._verdict = FiniteVerdict(True, True)
             return self._verdict
-        grads = self.local_gradients() if grads is None else grads
+        grads = self._local_gradients() if grads is None else grads
         local_ok = not grads or all_finite(grads)
         extra = self.agreement_extra()
         self.nonfinite_culprit = None

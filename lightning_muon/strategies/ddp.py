@@ -10,7 +10,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_muon.checkpoints import distributed_checkpoint_error, is_distributed_checkpoint
-from lightning_muon.distributed.sharded import MuonSharding
+from lightning_muon.distributed.ddp import MuonDDPSharding
 from lightning_muon.strategies._checkpoint import explained_reads
 from lightning_muon.strategies._exit import destroy_process_group_at_exit
 from lightning_muon.strategies.ddp_core import MuonDDPCore, sharding_of
@@ -78,7 +78,7 @@ class MuonDDPStrategy(DDPStrategy):
         return self.muon.bucket_cap_mb
 
     @property
-    def shardings(self) -> list[MuonSharding]:
+    def shardings(self) -> list[MuonDDPSharding]:
         return [s for s in (sharding_of(opt) for opt in self.optimizers) if s is not None]
 
     def setup_environment(self) -> None:

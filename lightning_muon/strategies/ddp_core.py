@@ -4,7 +4,7 @@
 two strategies (``lightning_muon.strategies.ddp`` for the Trainer, ``fabric_ddp`` for
 Fabric) only call it at the points where their framework lets them in:
 
-    attach(optimizers, module)   a MuonSharding per Muon (owners planned), checks   before DDP wraps
+    attach(optimizers, module)   a MuonDDPSharding per Muon (owners planned), checks   before DDP wraps
     leave_to_owners(module)      DDP told to ignore the Muon matrices, rank 0's     before DDP wraps
                                  values broadcast (DDP broadcasts all others)
     share_overflows(precision)   a GradScaler becomes torch's ShardedGradScaler
@@ -26,8 +26,8 @@ from torch.distributed.fsdp.sharded_grad_scaler import ShardedGradScaler
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_muon.algorithms import per_matrix
+from lightning_muon.distributed.ddp import MODES, MuonDDPSharding
 from lightning_muon.distributed.grad_norm import clip_by_total_norm_, global_grad_norm
-from lightning_muon.distributed.sharded import MODES, MuonSharding
 from lightning_muon.muon import Muon
 from lightning_muon.strategies.checks import check_optimizers
 
@@ -40,8 +40,8 @@ def unwrap(optimizer: Any) -> Any:
     return optimizer if inner is None else inner
 
 
-def sharding_of(optimizer: Any) -> MuonSharding | None:
-    """The ``MuonSharding`` attached to ``optimizer`` (wrapped or not), or None."""
+def sharding_of(optimizer: Any) -> MuonDDPSharding | None:
+    """The ``MuonDDPSharding`` attached to ``optimizer`` (wrapped or not), or None."""
     optimizer = unwrap(optimizer)
     return optimizer.sharding if isinstance(optimizer, Muon) else None
 
@@ -82,15 +82,15 @@ class MuonDDPCore:
         self.overlap = overlap
         self.bucket_cap_mb = float(bucket_cap_mb)
         self.who = who
-        self.shardings: list[MuonSharding] = []
+        self.shardings: list[MuonDDPSharding] = []
         """The sharding of every ``Muon`` optimizer that has Muon groups, in the order attached."""
 
     # ------------------------------------------------------------------ before DDP wraps
 
     def attach(
         self, optimizers: list[Any], module: nn.Module, world_size: int, num_processes: int
-    ) -> list[MuonSharding]:
-        """Check the optimizers against ``module`` and give each Muon with Muon groups a ``MuonSharding``.
+    ) -> list[MuonDDPSharding]:
+        """Check the optimizers against ``module`` and give each Muon with Muon groups a ``MuonDDPSharding``.
 
         Every rank must call it (it may create process groups). Raises for an optimizer that is
         not a ``Muon`` and for parameters ``module`` does not hold (``checks.check_optimizers``).
@@ -105,11 +105,11 @@ class MuonDDPCore:
         new = []
         for optimizer in map(unwrap, optimizers):
             if optimizer.sharding is None and any(per_matrix(g) for g in optimizer.param_groups):
-                new.append(MuonSharding(optimizer, mode=self.muon_mode, owner_group_size=size))
+                new.append(MuonDDPSharding(optimizer, mode=self.muon_mode, owner_group_size=size))
         self.shardings += new
         return new
 
-    def leave_to_owners(self, module: nn.Module, shardings: list[MuonSharding]) -> None:
+    def leave_to_owners(self, module: nn.Module, shardings: list[MuonDDPSharding]) -> None:
         """``reduce_scatter`` mode: DDP leaves ``shardings``' matrices alone; rank 0's values are broadcast.
 
         Call before DDP wraps ``module``: DDP reads the names to ignore when it is built, and
@@ -142,7 +142,7 @@ class MuonDDPCore:
 
     # ------------------------------------------------------------------ after DDP wraps
 
-    def after_wrap(self, ddp: DistributedDataParallel, shardings: list[MuonSharding]) -> None:
+    def after_wrap(self, ddp: DistributedDataParallel, shardings: list[MuonDDPSharding]) -> None:
         """With ``overlap``: Muon gradients leave from backward's hooks on a backward that synchronizes."""
         if self.overlap and self.muon_mode == "reduce_scatter":
             for s in shardings:

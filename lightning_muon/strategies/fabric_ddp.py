@@ -32,7 +32,7 @@ from torch.optim import Optimizer
 from typing_extensions import override
 
 from lightning_muon.checkpoints import distributed_checkpoint_error, is_distributed_checkpoint
-from lightning_muon.distributed.sharded import MuonSharding
+from lightning_muon.distributed.ddp import MuonDDPSharding
 from lightning_muon.strategies._checkpoint import explained_reads
 from lightning_muon.strategies._exit import destroy_process_group_at_exit
 from lightning_muon.strategies.checks import holds_parameters
@@ -79,7 +79,7 @@ class MuonDDPStrategy(DDPStrategy):
         self._reduced: set[int] = set()  # ids of the shardings whose gradients are on their owners this step
 
     @property
-    def shardings(self) -> list[MuonSharding]:
+    def shardings(self) -> list[MuonDDPSharding]:
         """The sharding of every ``Muon`` optimizer set up so far."""
         return list(self.muon.shardings)
 

@@ -1,6 +1,6 @@
 """Newton-Schulz sharded across data-parallel ranks: each matrix orthogonalized once, by its owner.
 
-``MuonSharding`` (a ``Sharding``) attaches to a ``Muon`` optimizer. In ``reduce_scatter`` mode, DDP
+``MuonDDPSharding`` (a ``Sharding``) attaches to a ``Muon`` optimizer. In ``reduce_scatter`` mode, DDP
 leaves the Muon matrices alone and ``reduce_gradients()`` (called after backward,
 before any unscaling or clipping) averages each matrix's gradient straight onto its
 owner with one uneven all-to-all; every other rank drops that gradient. The owner
@@ -9,13 +9,14 @@ runs momentum, ``orthogonalize`` and the update; ``gather_parameters()`` (called
 ``P - P_own`` then ``(W - 1) P_own``: for W = 2 exactly plain DDP's all-reduce of the
 same P elements, and for balanced owners ``2 (W - 1) / W * P`` in general.
 
-Expert stacks (groups with ``batched=True``, 3-D ``(E, out, in)``) are not planned whole: in
+Expert stacks (3-D ``(E, out, in)``, whose row blocks hold whole matrices: ``MatrixLayout``) are not planned whole: in
 ``reduce_scatter`` mode every rank of a group owns a ``torch.chunk`` block of every stack's
 experts (``planning.expert_blocks``: rotated from stack to stack, so that with fewer experts
 than ranks the ranks one stack misses take the next's), so the experts of a 64-expert stack
 are orthogonalized by every rank, not by one. Its part travels like a whole matrix: gradients
 to it, results back; it steps a view of those rows, whose optimizer state lives under the
-stack between steps (a slice of the rows; ``gather_states`` joins them for a checkpoint).
+stack between steps (a slice of the rows; ``gather_states`` joins them for a checkpoint,
+``owner_state``).
 
 In ``all_gather`` mode DDP all-reduces everything as usual; owners still split the
 Newton-Schulz work and share their results (+50% traffic; a fallback and a baseline).
@@ -42,19 +43,19 @@ from torch import Tensor
 from lightning_muon.algorithms import per_matrix
 from lightning_muon.distributed.comm import CommStats, all_reduce_, all_to_all_v, owner_groups, unit_rows
 from lightning_muon.distributed.overlap import OverlappedReduce
+from lightning_muon.distributed.owner_state import drop_foreign_states, gather_owner_states
 from lightning_muon.distributed.planning import expert_blocks, plan_ownership
 from lightning_muon.distributed.protocol import Sharding
 from lightning_muon.functional import all_finite
 from lightning_muon.layout import layout_of
-from lightning_muon.newton_schulz import DTYPES, dtype_name
 from lightning_muon.step_memory import step_memory_bytes
 
-__all__ = ["MODES", "MuonSharding"]
+__all__ = ["MODES", "MuonDDPSharding"]
 
 MODES = ("reduce_scatter", "all_gather")
 
 
-class MuonSharding(Sharding):
+class MuonDDPSharding(Sharding):
     """Owner-based Newton-Schulz for one ``Muon`` optimizer over a process group (DDP: whole tensors everywhere).
 
     Args:
@@ -95,7 +96,11 @@ class MuonSharding(Sharding):
         layouts = [layout_of(g) for g in groups for _ in g["params"]]
         self._split: dict[int, list[tuple[int, int]]] = {}  # per local rank: (first expert, experts)
         if mode == "reduce_scatter" and size > 1:
-            stacks = [i for i, (p, lay) in enumerate(zip(params, layouts)) if lay.batched and p.ndim == 3]
+            stacks = [
+                i
+                for i, (p, lay) in enumerate(zip(params, layouts))
+                if lay.row_blocks_hold_whole_matrices and p.ndim == 3
+            ]
             self._split = dict(zip(stacks, expert_blocks([params[i].shape[0] for i in stacks], size)))
         plan = plan_ownership(
             [p.shape for p in params],
@@ -139,7 +144,7 @@ class MuonSharding(Sharding):
         if self._parts and self.optimizer.has_update_hooks and not self._warned_observer:
             self._warned_observer = True
             warnings.warn(
-                "MuonSharding: expert stacks are stepped by their experts' ranks, in parts; the update hooks "
+                "MuonDDPSharding: expert stacks are stepped by their experts' ranks, in parts; the update hooks "
                 "(UpdateSpectrumMonitor) are not run for them",
                 RuntimeWarning,
                 stacklevel=3,
@@ -334,151 +339,26 @@ class MuonSharding(Sharding):
                     unit_rows(p.detach(), start, rows).copy_(recv[offset : offset + n])
                     offset += n
 
-    @torch.no_grad()
     def gather_states(self) -> list[dict[str, object]]:
         """Every Muon parameter's optimizer state, fetched from its owner; one dict per ``self.params``.
 
-        Every entry travels: momentum and whatever else a variant keeps (second moments of
-        any shape, step counters). The owners first share which entries they hold (keys,
-        shapes, dtypes: a few bytes per parameter), then the tensors in one all-to-all.
-        Every group holds every matrix's state, so this stays inside the owner group. Every
-        rank must call it (checkpoint saving does, on all ranks).
+        Every rank must call it (checkpoint saving does, on all ranks); ``owner_state.gather_owner_states``.
         """
-        by_owner = self._by_owner()
-        mine = by_owner[self.local_rank]
-        local = [self.optimizer.state.get(p, {}) for p, _, _ in mine]  # a stack's part: its rows' state
-        # (shape, dtype name, strides) per tensor entry; other values (plain numbers) go as they are.
-        layout = [
-            {
-                k: (tuple(v.shape), dtype_name(v.dtype), _layout_strides(v)) if isinstance(v, Tensor) else ("value", v)
-                for k, v in st.items()
-            }
-            for st in local
-        ]
-        layouts: list = [None] * self.group_size
-        if self.group_size == 1:
-            layouts = [layout]
-        else:
-            dist.all_gather_object(layouts, layout, group=self.owner_group)
-        dtypes = {d for lay in layouts for entry in lay for d in _tensor_dtypes(entry)}
-        # float64 carries every float32/bf16/fp16 value and integer counters below 2**53 exactly.
-        wire = torch.float64 if dtypes - {"float32", "bfloat16", "float16"} else torch.float32
-        device = self.params[0].device if self.params else torch.device("cpu")
-        # One device for the blob: a state entry kept on the CPU (a step counter) joins the rest.
-        tensors = [
-            v.detach().reshape(-1).to(device=device, dtype=wire)
-            for st in local
-            for v in st.values()
-            if isinstance(v, Tensor)
-        ]
-        blob = torch.cat(tensors) if tensors else torch.empty(0, dtype=wire, device=device)
-        sizes = [sum(_numel(shape) for entry in lay for shape in _tensor_shapes(entry)) for lay in layouts]
-        if self.group_size == 1:
-            parts = [blob]
-        else:
-            send_counts = [0 if r == self.local_rank else blob.numel() for r in range(self.group_size)]
-            recv_counts = [0 if r == self.local_rank else sizes[r] for r in range(self.group_size)]
-            recv = all_to_all_v(
-                torch.cat([blob] * (self.group_size - 1)),
-                send_counts,
-                recv_counts,
-                self.owner_group,
-                self.stats,
-                "gather_state",
-            )
-            chunks = iter(recv.split([recv_counts[r] for r in range(self.group_size) if r != self.local_rank]))
-            parts = [blob if r == self.local_rank else next(chunks) for r in range(self.group_size)]
-        out: dict[int, dict[str, object]] = {}
-        rows_of: dict[int, list[dict[str, object]]] = {}  # an expert stack: its parts' states, in rank order
-        for owned, lay, part in zip(by_owner, layouts, parts):
-            offset = 0
-            for (p, start, _), entry in zip(owned, lay):
-                state: dict[str, object] = {}
-                for key, spec in entry.items():
-                    if spec[0] == "value":
-                        state[key] = spec[1]
-                        continue
-                    shape, dtype, strides = spec
-                    n = _numel(shape)
-                    # In the owner's memory layout (SOAP's eigenbases are column-major): a resumed
-                    # step then multiplies in the same order, bit for bit.
-                    value = torch.empty_strided(shape, strides, dtype=DTYPES[dtype], device=p.device)
-                    state[key] = value.copy_(part[offset : offset + n].view(shape))
-                    offset += n
-                if self._index[id(p)] in self._split:
-                    rows_of.setdefault(id(p), []).append((start, state))  # joined in expert order
-                else:
-                    out[id(p)] = state
-        for key, states in rows_of.items():
-            out[key] = _join_rows([st for _, st in sorted(states, key=lambda e: e[0]) if st])
-        return [out.get(id(p), {}) for p in self.params]
+        split = {id(self.params[i]) for i in self._split}
+        return gather_owner_states(
+            self.optimizer, self.params, self._by_owner(), split, self.local_rank, self.owner_group, self.stats
+        )
 
     def drop_foreign_state(self) -> None:
         """Forget the optimizer state of matrices another rank owns (after loading a full state).
 
-        An expert stack keeps its rows of every per-expert entry (those with the stack's dim 0).
+        An expert stack keeps its rows of every per-expert entry (``owner_state.drop_foreign_states``).
         """
-        state = self.optimizer.state
-        for i, p in enumerate(self.params):
-            if i in self._split:
-                entries = state.get(p)
-                if not entries:
-                    continue
-                start, n = self._split[i][self.local_rank]
-                if n == 0:
-                    state.pop(p)
-                    continue
-                state[p] = {k: v[start : start + n].clone() if _per_expert(v, p) else v for k, v in entries.items()}
-            elif not self.owns(p):
-                state.pop(p, None)
-
-
-def _per_expert(v: object, p: Tensor) -> bool:
-    return isinstance(v, Tensor) and v.ndim == p.ndim and v.shape[0] == p.shape[0]
-
-
-def _join_rows(states: list[dict[str, object]]) -> dict[str, object]:
-    """One expert stack's state from its parts' (in expert order): per-expert tensors joined along dim 0."""
-    if not states:
-        return {}
-    joined: dict[str, object] = {}
-    for key, value in states[0].items():
-        if isinstance(value, Tensor) and value.ndim:
-            joined[key] = torch.cat([st[key] for st in states])  # type: ignore[misc]
-        else:
-            joined[key] = value
-    return joined
+        rows = {id(self.params[i]): blocks[self.local_rank] for i, blocks in self._split.items()}
+        drop_foreign_states(self.optimizer.state, self.params, rows, self.owns)
 
 
 def _unit_numel(unit: tuple[Tensor, int, int]) -> int:
     """Elements of a unit ``(p, first row, rows)``."""
     p, _, rows = unit
     return p.numel() // p.shape[0] * rows if p.shape[0] else 0
-
-
-def _tensor_shapes(entry: dict) -> list[tuple[int, ...]]:
-    return [spec[0] for spec in entry.values() if spec[0] != "value"]
-
-
-def _tensor_dtypes(entry: dict) -> list[str]:
-    return [spec[1] for spec in entry.values() if spec[0] != "value"]
-
-
-def _layout_strides(t: Tensor) -> tuple[int, ...]:
-    """``t``'s strides where its elements fill their memory densely in some order of dims (a column-major
-    eigenbasis), else those of a contiguous tensor of its shape."""
-    order = sorted(range(t.ndim), key=t.stride, reverse=True)
-    if t.permute(order).is_contiguous():
-        return tuple(t.stride())
-    strides, step = [], 1
-    for size in reversed(t.shape):
-        strides.append(step)
-        step *= max(size, 1)
-    return tuple(reversed(strides))
-
-
-def _numel(shape: tuple[int, ...]) -> int:
-    n = 1
-    for d in shape:
-        n *= d
-    return n
