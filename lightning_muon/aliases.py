@@ -6,7 +6,8 @@ otherwise, and their users' configs load here as written:
 - NVIDIA Emerging-Optimizers 0.3.0's constructor keywords: ``num_ns_steps``,
   ``coefficient_type``, ``scale_mode`` (any Newton-Schulz algorithm), and ``AdaptiveMuon``'s
   ``moment2_method``, ``beta2``, ``eps``;
-- ``torch.optim.Muon``'s keyword ``adjust_lr_fn``;
+- ``torch.optim.Muon``'s keywords ``adjust_lr_fn`` and ``eps`` (``ns_eps``; on ``"muon"`` settings only, so
+  that AdamW's own ``eps`` and AdaptiveMuon's alias of that name keep their meanings);
 - Megatron-Core's ``OptimizerConfig`` names (``optimizer``, ``muon_momentum``, ``adam_beta1``,
   ``soap_shampoo_beta``, ...): a Megatron optimizer block, read whole by ``megatron_sections``
   (``MuonConfig.from_megatron``), since one of its names may set several of ours (``lr`` is every
@@ -20,6 +21,7 @@ another value is an error naming both. Errors name the alias as the user wrote i
 
 from __future__ import annotations
 
+import dataclasses
 import difflib
 import math
 import re
@@ -140,6 +142,7 @@ ALIASES: tuple[Alias, ...] = (
     Alias("beta2", "second_moment_beta2", "adaptive_muon", _EO),
     Alias("eps", "second_moment_eps", "adaptive_muon", _EO),
     Alias("adjust_lr_fn", "adjust_lr", "muon", _TORCH, _choice(TORCH_ADJUST_LR)),
+    Alias("eps", "ns_eps", "muon", _TORCH),
 )
 
 
@@ -206,6 +209,14 @@ def settings_from(cls: type[Settings], values: Mapping[str, Any], where: str) ->
     value names the key as written (an alias by its own name)."""
     values, used = _canonical(cls, values, where)
     fields = cls.field_names()
+    for f in dataclasses.fields(cls):
+        if not f.init and f.name in values:  # fixed by the algorithm: its own value passes, no other
+            value = values.pop(f.name)
+            if value != f.default:
+                raise HparamError(
+                    f"{where}: {f.name} is fixed at {f.default!r} by {cls.algorithm or cls.__name__!r}, got {value!r}",
+                    f.name,
+                )
     unknown = sorted(set(values) - set(fields))
     if unknown:
         near = difflib.get_close_matches(unknown[0], [*fields, *aliases_of(cls)], n=1)

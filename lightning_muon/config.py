@@ -281,7 +281,7 @@ def _fields(settings: Any) -> list[str]:
 
 def _settings_dict(settings: Settings) -> dict[str, Any]:
     cls = type(settings)
-    return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": settings.asdict()}
+    return {"class_path": f"{cls.__module__}.{cls.__qualname__}", "init_args": settings.arguments()}
 
 
 def _schedule_dict(schedule: ScheduleSettings) -> dict[str, Any]:
@@ -296,7 +296,7 @@ def _section(config: MuonConfig, name: str, base: type, value: Any = None) -> An
     value = getattr(config, name) if value is None else value
     if isinstance(value, Settings):
         if not value.algorithm and name in _DEFAULT_CLASS:  # a family's base, made from init_args without a class
-            return _DEFAULT_CLASS[name](**value.asdict())
+            return _DEFAULT_CLASS[name](**value.arguments())
         return value  # of the right kind: MuonConfig's checks
     if isinstance(value, Mapping):
         return _settings_from_dict(name, base, value)

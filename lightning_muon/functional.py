@@ -25,11 +25,14 @@ __all__ = [
     "MOMENTUM_FORMS",
     "SECOND_MOMENTS",
     "WEIGHT_DECAY_FACTORS",
+    "MomentumForm",
+    "SecondMoment",
     "adamw_",
     "adjust_lr_ratio",
     "all_finite",
     "decay_weights_",
     "lion_",
+    "map_matrices",
     "muon_apply_",
     "muon_momentum_",
     "muon_orthogonalize",
@@ -39,8 +42,7 @@ __all__ = [
     "second_moment_buffer",
     "second_moment_shape",
     "stat_axis",
-    "MomentumForm",
-    "SecondMoment",
+    "widening_chunks",
 ]
 
 # EMA: B <- mu B + (1 - mu) G (torch.optim.Muon, Keller Jordan); sum: B <- mu B + G (Moonlight, dion).
@@ -121,7 +123,7 @@ def muon_momentum_(
     """
     if _narrow(bufs, grads):
         updates: list[Tensor] = []
-        for part in _chunks(grads):
+        for part in widening_chunks(grads):
             work = _widen(bufs[part], grads[part])
             dtypes = None if out_dtypes is None else out_dtypes[part]
             updates += muon_momentum_(grads[part], work, momentum, nesterov, form, out_dtypes=dtypes)
@@ -174,8 +176,9 @@ def _narrow(bufs: Sequence[Tensor], like: Sequence[Tensor]) -> bool:
     return any(b.dtype != t.dtype for b, t in zip(bufs, like))
 
 
-def _chunks(tensors: Sequence[Tensor]) -> list[slice]:
-    """Consecutive slices of ``tensors`` of at most ``_WIDEN_ELEMENTS`` elements each (one tensor at least)."""
+def widening_chunks(tensors: Sequence[Tensor]) -> list[slice]:
+    """Consecutive slices of ``tensors`` of at most ``_WIDEN_ELEMENTS`` elements each (one tensor at least): the
+    parts a step over narrow state (bf16 moments, bf16 parameters) widens to float32 one at a time."""
     out, start, total = [], 0, 0
     for i, t in enumerate(tensors):
         if i > start and total + t.numel() > _WIDEN_ELEMENTS:
@@ -211,6 +214,7 @@ def muon_orthogonalize(
     donate: bool = False,
     max_stack_bytes: int | None = None,
     multi_shapes: Collection[tuple[int, int]] = (),
+    ns_eps: float | None = None,
 ) -> list[list[Tensor]]:
     """Orthogonalize every matrix of every update (cut by ``layout``); returns, per update, its pieces.
 
@@ -219,6 +223,7 @@ def muon_orthogonalize(
     calls hold more of (``orthogonalize_many``).
     ``donate``: the updates are temporaries Newton-Schulz may overwrite (see ``muon_momentum_``);
     the list ``updates`` is emptied, so that each is freed as soon as it is orthogonalized.
+    ``ns_eps``: the floor under the pre-scaling's norm (None: the schedule's own; ``orthogonalize``'s ``eps``).
     """
     pieces = [layout.views(u.contiguous()) for u in updates]
     counts = [len(ms) for ms in pieces]
@@ -231,8 +236,41 @@ def muon_orthogonalize(
         updates.clear()
         del pieces
     ns_args = (ns_steps, ns_coefficients, ns_dtype, ns_method)
-    ortho = iter(orthogonalize_many(flat, *ns_args, keep_work_dtype, donate, max_stack_bytes, multi_shapes))
+    ortho = iter(orthogonalize_many(flat, *ns_args, keep_work_dtype, donate, max_stack_bytes, multi_shapes, ns_eps))
     return [[next(ortho) for _ in range(n)] for n in counts]
+
+
+def map_matrices(
+    updates: list[Tensor], fn: Callable[[Tensor], Tensor], *, layout: MatrixLayout, donate: bool = False
+) -> list[list[Tensor]]:
+    """``fn`` on every matrix of every update (cut by ``layout``); returns, per update, its pieces in float32 at least.
+
+    ``muon_orthogonalize``'s counterpart for per-matrix work that is not the Newton-Schulz
+    iteration (MOP's polar factor by SVD, Sinkhorn-Knopp on a weight): ``fn`` takes one
+    ``(rows, cols)`` matrix as stored, in float32 or float64, and returns its result of that
+    shape; each matrix of a batch is mapped on its own. ``donate``: the updates are
+    temporaries, released as they are read (the list ``updates`` is emptied).
+    """
+    pieces = [layout.views(u.contiguous()) for u in updates]
+    counts = [len(ms) for ms in pieces]
+    flat: list[Tensor | None] = [m for ms in pieces for m in ms]
+    if donate:
+        updates.clear()
+        del pieces
+    out = []
+    for i in range(len(flat)):
+        M = flat[i]
+        X = M.to(torch.promote_types(M.dtype, torch.float32))  # (..., rows, cols)
+        if X.ndim == 2:
+            out.append(fn(X))
+        else:  # each matrix of the batch
+            batch = X.reshape(-1, *X.shape[-2:])
+            out.append(torch.stack([fn(x) for x in batch]).reshape(X.shape) if batch.shape[0] else X.clone())
+        if donate:
+            flat[i] = None  # released: its memory can serve the next matrix
+        del M, X
+    results = iter(out)
+    return [[next(results) for _ in range(n)] for n in counts]
 
 
 def stat_axis(method: str, layout: MatrixLayout, shape: Sequence[int]) -> int:
@@ -529,7 +567,7 @@ def adamw_(
     are read into its dtype, updated and used there, and rounded once on their way back.
     """
     if _narrow(exp_avgs, params) or _narrow(exp_avg_sqs, params):
-        for part in _chunks(params):
+        for part in widening_chunks(params):
             avgs, sqs = _widen(exp_avgs[part], params[part]), _widen(exp_avg_sqs[part], params[part])
             adamw_(
                 params[part], grads[part], avgs, sqs, steps[part],
@@ -544,6 +582,9 @@ def adamw_(
     torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
     torch._foreach_mul_(exp_avg_sqs, beta2)
     torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
+    if torch.compiler.is_compiling():  # the bias corrections on the device: no sync, no graph break
+        _adamw_update_on_device(params, exp_avgs, exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps)
+        return
     counts = [s.item() for s in steps]
     step_size = [(lr / (1.0 - beta1**n)) * -1.0 for n in counts]
     bias_correction2_sqrt = [(1.0 - beta2**n) ** 0.5 for n in counts]
@@ -551,6 +592,33 @@ def adamw_(
     torch._foreach_div_(denom, bias_correction2_sqrt)
     torch._foreach_add_(denom, eps)
     torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
+
+
+def _adamw_update_on_device(
+    params: list[Tensor],
+    exp_avgs: list[Tensor],
+    exp_avg_sqs: list[Tensor],
+    steps: list[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    eps: float,
+) -> None:
+    """``adamw_``'s update from its moments, with the step counts read on the device (the compiled step's form)."""
+    step_size = torch._foreach_pow(beta1, steps)  # beta1^n
+    torch._foreach_sub_(step_size, 1.0)  # -(1 - beta1^n)
+    torch._foreach_div_(step_size, lr)
+    torch._foreach_reciprocal_(step_size)  # -lr / (1 - beta1^n)
+    bias_correction2_sqrt = torch._foreach_pow(beta2, steps)
+    torch._foreach_neg_(bias_correction2_sqrt)
+    torch._foreach_add_(bias_correction2_sqrt, 1.0)
+    torch._foreach_sqrt_(bias_correction2_sqrt)  # sqrt(1 - beta2^n)
+    denom = torch._foreach_sqrt(exp_avg_sqs)
+    torch._foreach_div_(denom, bias_correction2_sqrt)
+    torch._foreach_add_(denom, eps)
+    torch._foreach_div_(denom, step_size)  # p + m / (denom / step_size) = p + step_size m / denom
+    torch._foreach_addcdiv_(params, exp_avgs, denom)
 
 
 def lion_(
@@ -570,7 +638,7 @@ def lion_(
     used and updated there, and rounded once on its way back.
     """
     if _narrow(exp_avgs, params):
-        for part in _chunks(params):
+        for part in widening_chunks(params):
             work = _widen(exp_avgs[part], params[part])
             lion_(params[part], grads[part], work, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
             _store(exp_avgs[part], work)

@@ -2,6 +2,9 @@
 
 from __future__ import annotations
 
+import dataclasses
+import difflib
+import warnings
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
@@ -10,7 +13,14 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
-from lightning_muon.algorithms import AdamWSettings, Algorithm, MuonSettings, Settings, get_algorithm
+from lightning_muon.algorithms import (
+    AdamWSettings,
+    Algorithm,
+    MuonSettings,
+    Settings,
+    algorithm_names,
+    get_algorithm,
+)
 from lightning_muon.algorithms.base import StepContext
 from lightning_muon.algorithms.checks import HparamError
 from lightning_muon.algorithms.families import (
@@ -49,6 +59,9 @@ __all__ = ["Muon", "UpdateHook"]
 # The keywords' defaults are the settings' own (written once, there; tests/test_config.py checks the match).
 _MUON, _ADAMW, _STATE = MuonSettings(), AdamWSettings(), StateSettings()
 _MUON_FIELDS = frozenset(MuonSettings.field_names())
+# Keys a param group holds beside its algorithm's options: torch's and its LR schedulers' (``initial_lr``), and the
+# optimizer-wide default torch copies into every group (``momentum``, read by Lightning's LearningRateMonitor).
+_TORCH_GROUP_KEYS = frozenset({"params", "algorithm", "initial_lr", "momentum", "differentiable"})
 
 
 class Muon(Optimizer):
@@ -86,9 +99,16 @@ class Muon(Optimizer):
 
     Args:
         params: tensors, ``(name, tensor)`` pairs, or param-group dicts.
-        lr, weight_decay, momentum, nesterov, ns_coefficients, ns_steps, adjust_lr, ...:
-            the defaults of Muon's groups, ``MuonSettings``' fields (each documented there, with
-            its range; ``python -m lightning_muon options muon`` prints them).
+        lr, weight_decay, momentum, nesterov, ns_coefficients, eps, ns_steps, adjust_lr_fn:
+            torch.optim.Muon's arguments, in its order and with its meanings, so that this is a
+            drop-in for it (our defaults differ: docs/update_rule.md lists them, and the line that
+            takes torch's). ``eps`` and ``adjust_lr_fn`` are its names for ``ns_eps`` and
+            ``adjust_lr`` (``aliases``; None: not given); ``ns_coefficients`` is one ``(a, b, c)``
+            there, and here also a schedule name or a list of them; ``lr`` may be a 1-element
+            Tensor, which the groups keep as given (an LR scheduler ``fill_``s it).
+        ns_eps, adjust_lr, weight_decay_method, ...: with the above, the defaults of Muon's
+            groups, ``MuonSettings``' fields (each documented there, with its range;
+            ``python -m lightning_muon options muon`` prints them).
             ``momentum_form="sum"``, ``sign_momentum``, ``second_moment`` and
             ``weight_decay_method="cautious"`` are Muon's variants (``algorithms.muon``).
         adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay: the defaults of AdamW's groups
@@ -99,8 +119,6 @@ class Muon(Optimizer):
         nonfinite, exp_avg_dtype, exp_avg_sq_dtype, main_params_dtype, step_memory_mb: what the
             optimizer does with a non-finite gradient, the dtypes its state is stored in and
             its step's memory cap (``StateSettings``' fields).
-        adjust_lr_fn: torch.optim.Muon's name for ``adjust_lr`` (``"original"``,
-            ``"match_rms_adamw"``).
 
     References:
         Jordan et al., "Muon: An optimizer for hidden layers in neural networks", 2024.
@@ -117,13 +135,16 @@ class Muon(Optimizer):
     def __init__(
         self,
         params: Iterable[Any],
-        lr: float = _MUON.lr,
+        lr: float | Tensor = _MUON.lr,
         weight_decay: float = _MUON.weight_decay,
         momentum: float = _MUON.momentum,
         nesterov: bool = _MUON.nesterov,
-        ns_coefficients: CoefficientName | Sequence[Sequence[float]] = _MUON.ns_coefficients,
-        *,
+        ns_coefficients: CoefficientName | Sequence[float] | Sequence[Sequence[float]] = _MUON.ns_coefficients,
+        eps: float | None = None,
         ns_steps: int = _MUON.ns_steps,
+        adjust_lr_fn: str | None = None,
+        *,
+        ns_eps: float | None = _MUON.ns_eps,
         adjust_lr: AdjustLR = _MUON.adjust_lr,
         weight_decay_method: WeightDecayMethod = _MUON.weight_decay_method,
         fp32_matmul_prec: FP32MatmulPrec = _MUON.fp32_matmul_prec,
@@ -146,34 +167,8 @@ class Muon(Optimizer):
         exp_avg_sq_dtype: StateDtype | torch.dtype = _STATE.exp_avg_sq_dtype,
         main_params_dtype: MainParamsDtype | torch.dtype = _STATE.main_params_dtype,
         step_memory_mb: StepMemory = _STATE.step_memory_mb,
-        adjust_lr_fn: str | None = None,
     ) -> None:
-        arguments = locals()
-        # The keywords given (a default is the very object the settings hold), so that an alias may set one.
-        given = {n: v for n, v in arguments.items() if n in _MUON_FIELDS and v is not getattr(_MUON, n)}
-        if adjust_lr_fn is not None:
-            given["adjust_lr_fn"] = adjust_lr_fn  # torch.optim.Muon's name (``aliases``)
-        muon = settings_from(MuonSettings, given, "Muon()")
-        adamw = _adamw_settings(adamw_lr, adamw_betas, adamw_eps, adamw_weight_decay)
-        chosen = settings_by_algorithm(settings, "Muon(settings=...)")
-        for own in (muon, adamw):
-            other = chosen.get(own.algorithm)
-            if other is not None and own != type(own)():
-                keywords = "lr, momentum, ..." if own.algorithm == "muon" else "adamw_lr, adamw_betas, ..."
-                raise HparamError(
-                    f"Muon: settings holds {type(other).__name__} and the keywords ({keywords}) set "
-                    f"{own.algorithm}'s settings too; give them one way",
-                    "settings",
-                )
-            chosen.setdefault(own.algorithm, own)
-        state = StateSettings(
-            nonfinite=nonfinite,
-            exp_avg_dtype=exp_avg_dtype,
-            exp_avg_sq_dtype=exp_avg_sq_dtype,
-            main_params_dtype=main_params_dtype,
-            step_memory_mb=step_memory_mb,
-        )
-        self._setup(params, OptimizerConfig(settings=chosen, state=state))
+        self._setup(params, _config_from_keywords(locals()))
 
     @classmethod
     def from_config(cls, params: Iterable[Any], config: OptimizerConfig) -> Muon:
@@ -185,11 +180,23 @@ class Muon(Optimizer):
     def _setup(self, params: Iterable[Any], config: OptimizerConfig) -> None:
         self.config = config
         """The settings, checked, as one config per algorithm."""
-        self.nonfinite = config.state.nonfinite
-        self._sharding: Sharding | None = None
-        self._mesh_checked = False  # whether the first step looked for DTensors without a sharding
         self.fresh = True
         """True until the first step or ``load_state_dict``: a step at lr 0 may then be torch's state creation."""
+        self._attach_runtime(lost_sharding=None)
+        # Only keys every group has live in ``defaults``: Optimizer copies them into each
+        # group, and LearningRateMonitor would read ``betas`` from every group if it were here.
+        self._constructing = True
+        try:
+            super().__init__(as_groups(params), {"momentum": config.settings_of("muon").momentum})
+        finally:
+            del self._constructing
+
+    def _attach_runtime(self, lost_sharding: str | None) -> None:
+        """What a step works with and a copy does not carry: sharding, router, update hooks, checks, caches."""
+        self.nonfinite = self.config.state.nonfinite
+        self._sharding: Sharding | None = None
+        self._lost_sharding = lost_sharding  # the class of the sharding the original had, in a copy
+        self._mesh_checked = False  # whether the first step looked for DTensors without a sharding
         self.creating_state = False
         """True during that step (``state_creation``): parameters, modes and group keys are put back after it."""
         self._update_hooks = UpdateHooks()
@@ -197,9 +204,28 @@ class Muon(Optimizer):
         self.finite_checks = FiniteChecks(self)
         """The non-finite gradient checks: ``precheck()`` before clipping, ``label(i, j)`` of a parameter."""
         self._defaults: dict[str, dict[str, Any]] = {}  # per algorithm, made on first use
-        # Only keys every group has live in ``defaults``: Optimizer copies them into each
-        # group, and LearningRateMonitor would read ``betas`` from every group if it were here.
-        super().__init__(as_groups(params), {"momentum": config.settings_of("muon").momentum})
+
+    def __getstate__(self) -> dict[str, Any]:
+        """torch's state (defaults, state, param groups) and the settings: what ``copy.deepcopy``, ``pickle``
+        and ``torch.save`` of the optimizer carry.
+
+        Update hooks, an attached sharding (its process group) and the router of added groups do not
+        travel: a copy starts without them (a copy that had a sharding says so when it steps with
+        several processes).
+        """
+        state = super().__getstate__()
+        state["config"] = self.config
+        state["fresh"] = self.fresh
+        sharding = self._sharding
+        state["_lost_sharding"] = type(sharding).__name__ if sharding is not None else self._lost_sharding
+        return state
+
+    def __setstate__(self, state: dict[str, Any]) -> None:
+        lost_sharding = state.pop("_lost_sharding", None)
+        runtime = "finite_checks" in self.__dict__  # torch's load_state_dict sets state and groups of a live one
+        super().__setstate__(state)
+        if not runtime:  # a copy or an unpickled optimizer: made without __init__
+            self._attach_runtime(lost_sharding)
 
     # ------------------------------------------------------------------ param groups
 
@@ -230,7 +256,9 @@ class Muon(Optimizer):
     def add_param_group(self, param_group: dict[str, Any]) -> None:
         """Add a group; one without an ``"algorithm"`` is routed, and split by algorithm (``added_groups``)."""
         if param_group.get("algorithm") is None:
-            for part in split_added_group(param_group, self.param_groups, self.group_defaults, self._router):
+            explain_lr = self.__dict__.get("_constructing", False)  # the groups given to Muon(...)
+            parts = split_added_group(param_group, self.param_groups, self.group_defaults, self._router, explain_lr)
+            for part in parts:
                 self.add_param_group(part)
             return
         group, params = split_named_params(param_group)
@@ -247,6 +275,17 @@ class Muon(Optimizer):
                 )
         # Other projects' names for its keys, renamed; an error about one names it as written.
         group, aliased = canonical_with_aliases(algorithm.settings, group, where)
+        # A setting of another algorithm would be ignored silently; a key no algorithm has is the user's own
+        # (torch keeps any key in a group: a layer id, a tag) and stays.
+        foreign = sorted((set(group) & _all_option_names()) - algorithm.option_names() - _TORCH_GROUP_KEYS)
+        if foreign:
+            near = difflib.get_close_matches(foreign[0], algorithm.option_names(), n=1)
+            raise HparamError(
+                f"{where}: {foreign} are settings of other algorithms, not of {algorithm.name!r}"
+                + (f"; did you mean {near[0]!r}?" if near else "")
+                + f" (python -m lightning_muon options {algorithm.name} lists its settings)",
+                foreign[0],
+            )
         defaults = self.group_defaults(algorithm.name)
         overrides = [key for key in defaults if key in group]
         for key, value in defaults.items():
@@ -306,6 +345,10 @@ class Muon(Optimizer):
         """
         if self._sharding is None and not self._mesh_checked:
             self._attach_mesh_sharding()
+            if self._sharding is None and self._lost_sharding is not None:
+                _warn_lost_sharding(self._lost_sharding)
+        if not torch.compiler.is_compiling():
+            self.finite_checks.raise_pending()  # a compiled step's verdict, read where a sync costs nothing new
         if closure is None and is_state_creation(self):
             with StateCreation(self):
                 return self._step(None)
@@ -320,14 +363,25 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
-        work = [(group, *self._collect(i, group)) for i, group in enumerate(self.param_groups)]
+        work = [(group, *_collect(self, i, group)) for i, group in enumerate(self.param_groups)]
+        if torch.compiler.is_compiling() and self.finite_checks.can_mask(work):
+            # Under torch.compile: decided on the device, no host sync (``FiniteChecks.snapshot``).
+            snapshot = self.finite_checks.snapshot(work)
+            self._apply(work, algorithms)
+            self.finite_checks.restore(snapshot)
+            return loss
         if not self.finite_checks.grads_finite(work):
             return loss
+        self._apply(work, algorithms)
+        return loss
+
+    def _apply(self, work: list, algorithms: dict[str, tuple[Algorithm, list[dict[str, Any]]]]) -> None:
+        """Step every group of ``work`` (gradients checked), then let each algorithm finish and the ranks share."""
         if self._sharding is not None:
             self._sharding.lend_state()  # a part of a parameter steps under its own state key
         masters: list[tuple[Tensor, Tensor]] = []
         try:
-            work, masters = self._main_params(work)
+            work, masters = _main_params(self, work)
             for group, params, grads in work:
                 if params:
                     algorithms[group["algorithm"]][0].step_group(self._step_context, group, params, grads)
@@ -342,63 +396,6 @@ class Muon(Optimizer):
             algorithm.finish_step(self._step_context, groups)
         if self._sharding is not None:
             self._sharding.gather_parameters()  # every rank calls it, owner of matrices or not
-        return loss
-
-    def _main_params(self, work: list) -> tuple[list, list[tuple[Tensor, Tensor]]]:
-        """``work`` with each bf16/fp16 parameter's fp32 master copy (``main_params_dtype``) in its place.
-
-        The copy lives in ``state[p]["main_param"]`` (made from ``p`` on its first step) and
-        steps with ``p``'s state, under its own key for the step (``step`` drops that key and
-        writes the copy back into ``p``); its gradient is ``p``'s, in fp32. Returns the new
-        work and the (parameter, master copy) pairs.
-        """
-        if self.config.state.main_params_dtype is None:
-            return work, []
-        narrow = next((p for _, params, _ in work for p in params if has_main_param(self.config, p)), None)
-        if narrow is None:
-            return work, []
-        if self._sharding is not None:
-            raise HparamError(
-                f"Muon: main_params_dtype={self.config.state.main_params_dtype!r} keeps fp32 master copies in one "
-                f"process only, and {narrow.dtype} parameters step under a sharding ({type(self._sharding).__name__}); "
-                "keep float32 parameters there (bf16-mixed precision) or leave main_params_dtype at None",
-                "main_params_dtype",
-            )
-        out, masters = [], []
-        for group, params, grads in work:
-            stepped, upcast = [], []
-            for p, g in zip(params, grads):
-                if has_main_param(self.config, p):
-                    entry = self.state[p]
-                    if MAIN_PARAM not in entry:
-                        entry[MAIN_PARAM] = p.detach().to(torch.float32, copy=True)
-                    master = entry[MAIN_PARAM]
-                    self.state[master] = entry  # the algorithm finds p's state under the copy
-                    masters.append((p, master))
-                    p, g = master, g.to(torch.float32)
-                stepped.append(p)
-                upcast.append(g)
-            out.append((group, stepped, upcast))
-        return out, masters
-
-    def _collect(self, index: int, group: dict) -> tuple[list[Tensor], list[Tensor]]:
-        params, grads = [], []
-        for j, p in enumerate(group["params"]):
-            if self._sharding is not None:
-                p = self._sharding.stepped(p)  # p, the part of it this rank steps (experts), or None
-                if p is None:
-                    continue  # another rank orthogonalizes it and sends the result
-            # An empty tensor (a zero-width layer) has nothing to update; skipping it also keeps
-            # it out of the inf-norm check and the adjust_lr ratio, which both fail on size 0.
-            if p.grad is None or p.numel() == 0:
-                continue
-            if p.grad.is_sparse:
-                raise ValueError(f"param group {index}, parameter {j}: sparse gradients are not supported")
-            if p.grad.is_complex():
-                raise ValueError(f"param group {index}, parameter {j}: complex gradients are not supported")
-            params.append(p)
-            grads.append(p.grad)
-        return params, grads
 
     # ------------------------------------------------------------------ train / eval (Schedule-Free)
 
@@ -440,6 +437,8 @@ class Muon(Optimizer):
         if sharding is not None and sharding.optimizer is not self:
             raise ValueError("Muon.attach_sharding: the sharding was built for another optimizer")
         self._sharding = sharding
+        if sharding is not None:
+            self._lost_sharding = None
 
     def _attach_mesh_sharding(self) -> None:
         """Muon matrices that are DTensors and no sharding: attach ``MuonTPSharding`` (exact, owners per mesh).
@@ -484,9 +483,113 @@ class Muon(Optimizer):
         self._update_hooks.run(group, params, updates, ortho)
 
 
+def _main_params(optimizer: Muon, work: list) -> tuple[list, list[tuple[Tensor, Tensor]]]:
+    """``work`` with each bf16/fp16 parameter's fp32 master copy (``main_params_dtype``) in its place.
+
+    The copy lives in ``state[p]["main_param"]`` (made from ``p`` on its first step) and
+    steps with ``p``'s state, under its own key for the step (``step`` drops that key and
+    writes the copy back into ``p``); its gradient is ``p``'s, in fp32. Returns the new
+    work and the (parameter, master copy) pairs.
+    """
+    if optimizer.config.state.main_params_dtype is None:
+        return work, []
+    narrow = next((p for _, params, _ in work for p in params if has_main_param(optimizer.config, p)), None)
+    if narrow is None:
+        return work, []
+    if optimizer._sharding is not None:
+        raise HparamError(
+            f"Muon: main_params_dtype={optimizer.config.state.main_params_dtype!r} keeps fp32 master copies in one "
+            f"process only, and {narrow.dtype} parameters step under a sharding "
+            f"({type(optimizer._sharding).__name__}); "
+            "keep float32 parameters there (bf16-mixed precision) or leave main_params_dtype at None",
+            "main_params_dtype",
+        )
+    out, masters = [], []
+    for group, params, grads in work:
+        stepped, upcast = [], []
+        for p, g in zip(params, grads):
+            if has_main_param(optimizer.config, p):
+                entry = optimizer.state[p]
+                if MAIN_PARAM not in entry:
+                    entry[MAIN_PARAM] = p.detach().to(torch.float32, copy=True)
+                master = entry[MAIN_PARAM]
+                optimizer.state[master] = entry  # the algorithm finds p's state under the copy
+                masters.append((p, master))
+                p, g = master, g.to(torch.float32)
+            stepped.append(p)
+            upcast.append(g)
+        out.append((group, stepped, upcast))
+    return out, masters
+
+
+def _collect(optimizer: Muon, index: int, group: dict) -> tuple[list[Tensor], list[Tensor]]:
+    """The parameters of ``group`` a step here updates (with a gradient; under a sharding, the part it steps)
+    and their gradients."""
+    params, grads = [], []
+    for j, p in enumerate(group["params"]):
+        if optimizer._sharding is not None:
+            p = optimizer._sharding.stepped(p)  # p, the part of it this rank steps (experts), or None
+            if p is None:
+                continue  # another rank orthogonalizes it and sends the result
+        # An empty tensor (a zero-width layer) has nothing to update; skipping it also keeps
+        # it out of the inf-norm check and the adjust_lr ratio, which both fail on size 0.
+        if p.grad is None or p.numel() == 0:
+            continue
+        if p.grad.is_sparse:
+            raise ValueError(f"param group {index}, parameter {j}: sparse gradients are not supported")
+        if p.grad.is_complex():
+            raise ValueError(f"param group {index}, parameter {j}: complex gradients are not supported")
+        params.append(p)
+        grads.append(p.grad)
+    return params, grads
+
+
+def _config_from_keywords(arguments: dict[str, Any]) -> OptimizerConfig:
+    """The ``OptimizerConfig`` of ``Muon``'s keywords (``arguments``: its ``locals()``), each checked."""
+    # The keywords given (a default is the very object the settings hold), so that an alias may set one.
+    given = {n: v for n, v in arguments.items() if n in _MUON_FIELDS and v is not getattr(_MUON, n)}
+    for alias in ("eps", "adjust_lr_fn"):  # torch.optim.Muon's names (``aliases``)
+        if arguments[alias] is not None:
+            given[alias] = arguments[alias]
+    muon = settings_from(MuonSettings, given, "Muon()")
+    adamw = _adamw_settings(*(arguments[f"adamw_{name}"] for name in ("lr", "betas", "eps", "weight_decay")))
+    chosen = settings_by_algorithm(arguments["settings"], "Muon(settings=...)")
+    for own in (muon, adamw):
+        other = chosen.get(own.algorithm)
+        if other is not None and own != type(own)():
+            keywords = "lr, momentum, ..." if own.algorithm == "muon" else "adamw_lr, adamw_betas, ..."
+            raise HparamError(
+                f"Muon: settings holds {type(other).__name__} and the keywords ({keywords}) set "
+                f"{own.algorithm}'s settings too; give them one way",
+                "settings",
+            )
+        chosen.setdefault(own.algorithm, own)
+    state = StateSettings(**{f.name: arguments[f.name] for f in dataclasses.fields(StateSettings)})
+    return OptimizerConfig(settings=chosen, state=state)
+
+
+def _all_option_names() -> frozenset[str]:
+    """Every key a group of some registered algorithm takes."""
+    return frozenset().union(*(get_algorithm(name).option_names() for name in algorithm_names()))
+
+
 def _adamw_settings(lr: float, betas: Any, eps: float, weight_decay: float) -> AdamWSettings:
     """``AdamWSettings`` from ``Muon``'s ``adamw_*`` keywords; an error names the keyword."""
     try:
         return AdamWSettings(lr=lr, betas=betas, eps=eps, weight_decay=weight_decay)
     except HparamError as err:
         raise HparamError(f"Muon(): adamw_{err.detail}", f"adamw_{err.field}", f"adamw_{err.detail}") from None
+
+
+def _warn_lost_sharding(kind: str) -> None:
+    """A copy (deepcopy, pickle) of an optimizer that had a ``kind`` sharding steps without one."""
+    import torch.distributed as dist
+
+    if dist.is_available() and dist.is_initialized() and dist.get_world_size() > 1:
+        warnings.warn(
+            f"Muon: this optimizer is a copy (deepcopy or pickle) of one that had a {kind}, which does not travel "
+            "with it (its process group cannot); it steps every matrix on every rank. Give the copy to the "
+            "strategy (muon_ddp, muon_fsdp attach one in setup) or attach a sharding to it yourself",
+            RuntimeWarning,
+            stacklevel=3,
+        )

@@ -3,7 +3,7 @@
 ``orthogonalize(G)`` approximates the polar factor ``U V^T`` of ``G = U S V^T``
 with a few quintic iterations on the short side of the matrix::
 
-    X <- G / (||G||_F * safety + eps)          # every singular value now <= 1
+    X <- G / (||G||_F * safety + eps)          # every singular value now <= 1 (ns_eps: a floor instead)
     repeat for (a, b, c) in schedule:
         A <- X X^T                               # (m, m), m = short side
         B <- b A + c A A
@@ -34,6 +34,7 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
+import numbers
 import os
 import typing
 from collections.abc import Collection, Iterator, Sequence
@@ -46,7 +47,6 @@ from lightning_muon.symmetric import SymmetricProduct, symmetric_blocks
 
 __all__ = [
     "BATCH_MAX_ELEMENTS",
-    "MatrixMap",
     "CUDA_BATCH_MAX_ELEMENTS",
     "COEFFICIENTS",
     "DTYPES",
@@ -59,6 +59,7 @@ __all__ = [
     "NS_METHODS",
     "bf16_matmul_is_fast",
     "check_ns_method",
+    "coefficient_list",
     "donated_dtypes",
     "dtype_name",
     "matmul_precision",
@@ -163,6 +164,29 @@ class Normalization(NamedTuple):
     safety: float
     eps: float
 
+    def with_eps(self, eps: float | None) -> Normalization | FlooredNormalization:
+        """This pre-scaling with ``eps`` as a floor instead (``ns_eps``); None: unchanged, the schedule's own."""
+        return self if eps is None else FlooredNormalization(self.safety, float(eps))
+
+    def divisor_(self, fro: Tensor) -> Tensor:
+        """``fro`` (the Frobenius norms) turned in place into what ``X`` is divided by."""
+        return fro.mul_(self.safety).add_(self.eps)
+
+
+class FlooredNormalization(NamedTuple):
+    """Pre-scaling ``X = G / max(||G||_F * safety, eps)``: torch.optim.Muon's form, which ``ns_eps`` selects.
+
+    A matrix whose scaled norm is below ``eps`` (a vanishing gradient) is divided by ``eps`` and
+    stays small, where ``Normalization`` scales it up to norm about 1.
+    """
+
+    safety: float
+    eps: float
+
+    def divisor_(self, fro: Tensor) -> Tensor:
+        """``fro`` (the Frobenius norms) turned in place into what ``X`` is divided by."""
+        return fro.mul_(self.safety).clamp_(min=self.eps)
+
 
 NORMALIZATION: dict[str, Normalization] = {
     "keller": Normalization(1.0, 1e-7),  # torch.optim.Muon: EPS = 1e-7
@@ -213,33 +237,56 @@ GRAM_MIN_SHORT_SIDE = 128
 
 
 def resolve_coefficients(
-    coefficients: str | Sequence[Sequence[float]], steps: int
-) -> tuple[list[Coefficients], Normalization]:
+    coefficients: str | Sequence[float] | Sequence[Sequence[float]], steps: int, eps: float | None = None
+) -> tuple[list[Coefficients], Normalization | FlooredNormalization]:
     """Return ``steps`` (a, b, c) tuples and the pre-scaling for a schedule.
 
-    A named schedule (a key of ``COEFFICIENTS``) or an explicit list of (a, b, c)
-    tuples is accepted; a list shorter than ``steps`` repeats its last tuple.
+    A named schedule (a key of ``COEFFICIENTS``), an explicit list of (a, b, c) tuples, or
+    one ``(a, b, c)`` for every step (torch.optim.Muon's ``ns_coefficients``) is accepted; a
+    list shorter than ``steps`` repeats its last tuple. ``eps`` (``ns_eps``): None keeps the
+    schedule's pre-scaling, ``X = G / (||G||_F * safety + eps_schedule)``; a number
+    replaces it with ``X = G / max(||G||_F * safety, eps)`` (``FlooredNormalization``).
 
     Raises:
-        ValueError: ``steps`` is not a positive int, the name is unknown, or the
-            list is empty or holds something other than three finite numbers.
+        ValueError: ``steps`` is not a positive int, the name is unknown, the list is
+            empty or holds something other than three finite numbers, or ``eps`` is not
+            a finite number > 0.
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"ns_steps must be a positive int, got {steps!r}")
+    if eps is not None and not (_is_number(eps) and math.isfinite(eps) and eps > 0):
+        raise ValueError(f"ns_eps must be None or a finite number > 0, got {eps!r}")
     if isinstance(coefficients, str):
-        return _named_schedule(coefficients, steps)
+        schedule, norm = _named_schedule(coefficients, steps)
+        return schedule, norm.with_eps(eps)
+    schedule = coefficient_list(coefficients)
+    return _extend(schedule, steps), _DEFAULT_NORMALIZATION.with_eps(eps)
+
+
+def coefficient_list(coefficients: Sequence[float] | Sequence[Sequence[float]]) -> list[Coefficients]:
+    """An explicit schedule as a list of (a, b, c) float tuples: one ``(a, b, c)`` becomes a list of one.
+
+    Raises:
+        ValueError: empty, or something other than three finite numbers per step.
+    """
+    if isinstance(coefficients, Sequence) and len(coefficients) == 3 and all(map(_is_number, coefficients)):
+        coefficients = [coefficients]  # torch.optim.Muon's form: one triple, used at every step
     try:
         schedule = [tuple(float(v) for v in abc) for abc in coefficients]
     except (TypeError, ValueError):
         raise ValueError(
-            f"ns_coefficients must be a name in {sorted(COEFFICIENTS)} or a list of "
-            f"(a, b, c) tuples, got {coefficients!r}"
+            f"ns_coefficients must be a name in {sorted(COEFFICIENTS)}, a list of (a, b, c) tuples "
+            f"or one (a, b, c), got {coefficients!r}"
         ) from None
     if not schedule or any(len(abc) != 3 for abc in schedule):
         raise ValueError(f"ns_coefficients must be a non-empty list of (a, b, c) tuples, got {coefficients!r}")
     if not all(math.isfinite(v) for abc in schedule for v in abc):
         raise ValueError(f"ns_coefficients must be finite numbers, got {coefficients!r}")
-    return _extend(schedule, steps), _DEFAULT_NORMALIZATION
+    return schedule
+
+
+def _is_number(value: object) -> bool:
+    return isinstance(value, numbers.Real) and not isinstance(value, bool)
 
 
 @functools.lru_cache(maxsize=64)
@@ -256,15 +303,20 @@ def _extend(schedule: list, steps: int) -> list[Coefficients]:
     return [tuple(abc) for abc in schedule[:steps]] + [tuple(schedule[-1])] * max(0, steps - len(schedule))
 
 
-@functools.lru_cache(maxsize=1)
+_HOST: dict[str, bool] = {}  # the host's answers, read once
+
+
+@torch.compiler.assume_constant_result  # the host's answer: a constant to torch.compile, not a graph break
 def _cpu_has_fast_bf16() -> bool:
     # torch reads CPUID itself; AVX512-BF16 and AMX-BF16 have native bf16 dot products.
     # On AVX2-only CPUs bf16 matmul falls back to a path about 100x slower than fp32.
-    try:
-        caps = torch._C._cpu._get_cpu_capability()
-    except AttributeError:  # pragma: no cover - older torch builds
-        return False
-    return bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    if "fast_bf16" not in _HOST:
+        try:
+            caps = torch._C._cpu._get_cpu_capability()
+        except AttributeError:  # pragma: no cover - older torch builds
+            caps = {}
+        _HOST["fast_bf16"] = bool(caps.get("avx512_bf16") or caps.get("amx_bf16"))
+    return _HOST["fast_bf16"]
 
 
 # Environment variable that overrides the hardware answer of ``bf16_matmul_is_fast``:
@@ -376,31 +428,8 @@ def check_ns_dtype(dtype: torch.dtype | str | None) -> torch.dtype | None:
     return dtype
 
 
-class MatrixMap:
-    """A function of whole matrices that takes Newton-Schulz's place where an ``ns_method`` is given.
-
-    A variant whose per-matrix work is not the Newton-Schulz iteration (MOP's polar factor by
-    SVD, Sinkhorn-Knopp normalization of a weight) subclasses it and passes an instance as
-    ``ns_method`` to ``orthogonalize_many`` or ``functional.muon_orthogonalize``, directly or
-    through a ``Sharding``'s ``orthogonalize``: owners then gather each whole matrix, apply
-    it, and send each rank its part, as they do for Newton-Schulz. ``__call__`` takes one
-    matrix in its stored orientation (``(rows, cols)``), in float32 or float64, and returns the
-    result of that shape; ``name`` says what it is in messages.
-    """
-
-    name = "matrix map"
-
-    def __call__(self, X: Tensor) -> Tensor:
-        raise NotImplementedError(f"{type(self).__name__} does not define __call__")
-
-    def __repr__(self) -> str:
-        return f"{type(self).__name__}()"
-
-
-def check_ns_method(method: str | MatrixMap) -> str | MatrixMap:
-    """Validate a user's ``ns_method`` (or a ``MatrixMap`` a variant passes)."""
-    if isinstance(method, MatrixMap):
-        return method
+def check_ns_method(method: str) -> str:
+    """Validate a user's ``ns_method``."""
     if method not in NS_METHODS:
         raise ValueError(f"ns_method must be one of {NS_METHODS}, got {method!r}")
     return method
@@ -467,23 +496,27 @@ def ns_flops_as_run(M: Tensor, steps: int, method: str = "standard", dtype: torc
 def orthogonalize(
     G: Tensor,
     steps: int = 5,
-    coefficients: str | Sequence[Sequence[float]] = "polar_express",
+    coefficients: str | Sequence[float] | Sequence[Sequence[float]] = "polar_express",
     dtype: torch.dtype | str | None = None,
     method: str = "standard",
+    eps: float | None = None,
 ) -> Tensor:
     """Approximate the polar factor of every matrix in ``G`` (shape ``(..., m, n)``).
 
     Args:
         G: a tensor with at least two dims; leading dims are a batch.
         steps: Newton-Schulz iterations.
-        coefficients: a name in ``COEFFICIENTS`` or a list of (a, b, c) tuples; a list
-            shorter than ``steps`` repeats its last tuple.
+        coefficients: a name in ``COEFFICIENTS``, a list of (a, b, c) tuples (a list
+            shorter than ``steps`` repeats its last tuple), or one (a, b, c) for every step.
         dtype: the dtype to iterate in; ``None`` applies the automatic policy of
             ``resolve_ns_dtype``.
         method: ``"standard"`` iterates on the matrix; ``"gram"`` runs Gram Newton-Schulz (the
             same polynomial, iterated on the short side's Gram matrix; always in float32 or
             float64: a bf16 or fp16 ``dtype`` is raised to float32 for it); ``"auto"`` picks
             per matrix by ``resolve_ns_method``.
+        eps: None divides ``G`` by ``||G||_F * safety + eps_schedule`` (``NORMALIZATION``);
+            a number divides it by ``max(||G||_F * safety, eps)``, torch.optim.Muon's form
+            (a matrix whose scaled norm is below ``eps`` is left unnormalized).
 
     Returns:
         A tensor of ``G``'s shape and dtype whose singular values lie near 1 (how
@@ -497,16 +530,17 @@ def orthogonalize(
         Zhang, Amsel, Chen, Dao, "Gram Newton-Schulz: A Fast, Hardware-Aware Newton-Schulz
         Algorithm for Muon", 2026 (dao-ailab.github.io/blog/2026/gram-newton-schulz).
     """
-    return _orthogonalize(G, steps, coefficients, dtype, method).to(G.dtype)
+    return _orthogonalize(G, steps, coefficients, dtype, method, eps=eps).to(G.dtype)
 
 
 def _orthogonalize(
     G: Tensor,
     steps: int,
-    coefficients: str | Sequence[Sequence[float]],
+    coefficients: str | Sequence[float] | Sequence[Sequence[float]],
     dtype: torch.dtype | str | None,
     method: str,
     donate: bool = False,
+    eps: float | None = None,
 ) -> Tensor:
     """``orthogonalize`` with the result left in the iteration's dtype (no cast back).
 
@@ -517,7 +551,7 @@ def _orthogonalize(
         raise ValueError(f"G must be a tensor with at least 2 dims, got shape {getattr(G, 'shape', G)}")
     if G.is_complex() or not G.is_floating_point():
         raise ValueError(f"G must be a real floating tensor, got dtype {G.dtype}")
-    schedule, norm = resolve_coefficients(coefficients, steps)
+    schedule, norm = resolve_coefficients(coefficients, steps, eps)
     batch_shape, (rows, cols) = G.shape[:-2], G.shape[-2:]
     method, work_dtype = _method_and_dtype(method, rows, cols, dtype, G)
     if G.numel() == 0:
@@ -550,7 +584,9 @@ def _method_and_dtype(
     return method, work_dtype
 
 
-def _newton_schulz_(X: Tensor, schedule: list[Coefficients], norm: Normalization, method: str = "standard") -> Tensor:
+def _newton_schulz_(
+    X: Tensor, schedule: list[Coefficients], norm: Normalization | FlooredNormalization, method: str = "standard"
+) -> Tensor:
     """Iterate in place on ``X`` of shape (K, m, n); returns the result buffer.
 
     The standard iteration runs on the short side in either orientation: a wide ``X``
@@ -564,7 +600,7 @@ def _newton_schulz_(X: Tensor, schedule: list[Coefficients], norm: Normalization
     # convert the whole of X first, a full-size pass. The scalar arithmetic then runs in fp32.
     acc = torch.promote_types(X.dtype, torch.float32)
     fro = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).to(acc)
-    X.div_(fro.mul_(norm.safety).add_(norm.eps).to(X.dtype))
+    X.div_(norm.divisor_(fro).to(X.dtype))
     if method == "gram":
         return _gram_newton_schulz(X, schedule)
     if X.shape[0] == 1:
@@ -751,32 +787,11 @@ def donated_dtypes(
     Nesterov updates).
     """
     out = [M.dtype for M in matrices]
-    if isinstance(method, MatrixMap):
-        return out  # a map reads its inputs in their own dtype
     plan = _plan(matrices, dtype, method, multi_shapes)
     for i in plan.alone:
         how = plan.resolved[i]
         if how is not None and how[0] == "standard":
             out[i] = how[1]
-    return out
-
-
-def _map_each(matrices: Sequence[Tensor], fn: MatrixMap, keep_work_dtype: bool, donate: bool) -> list[Tensor]:
-    """``fn`` on every matrix (of a batch, every one of it) in float32 at least, as stored (``MatrixMap``)."""
-    out = []
-    release = donate and isinstance(matrices, list)
-    for i in range(len(matrices)):
-        M = matrices[i]
-        work = torch.promote_types(M.dtype, torch.float32)
-        X = M.to(work)
-        if X.ndim == 2:
-            result = fn(X)
-        else:  # (..., rows, cols): each matrix of the batch
-            flat = X.reshape(-1, *X.shape[-2:])
-            result = torch.stack([fn(x) for x in flat]).reshape(X.shape) if flat.shape[0] else X.clone()
-        out.append(result if keep_work_dtype else result.to(M.dtype))
-        if release:
-            matrices[i] = None
     return out
 
 
@@ -803,13 +818,14 @@ def stack_bytes(rows: int, cols: int, work_dtype: torch.dtype) -> int:
 def orthogonalize_many(
     matrices: Sequence[Tensor],
     steps: int = 5,
-    coefficients: str | Sequence[Sequence[float]] = "polar_express",
+    coefficients: str | Sequence[float] | Sequence[Sequence[float]] = "polar_express",
     dtype: torch.dtype | str | None = None,
     method: str = "standard",
     keep_work_dtype: bool = False,
     donate: bool = False,
     max_stack_bytes: int | None = None,
     multi_shapes: Collection[tuple[int, int]] = (),
+    eps: float | None = None,
 ) -> list[Tensor]:
     """``[orthogonalize(M) for M in matrices]``, with same-shape matrices batched where that pays.
 
@@ -832,18 +848,16 @@ def orthogonalize_many(
     update, made in the work dtype); one that runs alone and is already contiguous in that
     dtype is iterated in place, with no copy; a list's
     entries are set to None as they are consumed (copied into a stack, or iterated), so that
-    each temporary is freed as soon as nothing needs it.
+    each temporary is freed as soon as nothing needs it. ``eps``: the pre-scaling's floor, as in ``orthogonalize``.
     """
-    if isinstance(method, MatrixMap):
-        return _map_each(matrices, method, keep_work_dtype, donate)
-    schedule, norm = resolve_coefficients(coefficients, steps)
+    schedule, norm = resolve_coefficients(coefficients, steps, eps)
     check_ns_method(method)
     out: list[Tensor | None] = [None] * len(matrices)
     release = donate and isinstance(matrices, list)
     alone, buckets, _ = _plan(matrices, dtype, method, multi_shapes)
     for i in alone:
         M = matrices[i]
-        result = _orthogonalize(M, steps, coefficients, dtype, method, donate)
+        result = _orthogonalize(M, steps, coefficients, dtype, method, donate, eps)
         out[i] = result if keep_work_dtype else result.to(M.dtype)
         if release:
             matrices[i] = None  # released: its memory can serve the next matrix

@@ -7,6 +7,13 @@ With ``nonfinite="raise"`` (the default) a NaN or inf in a gradient raises, nami
 group and parameter; ``"skip"`` skips the whole step with a warning; ``"ignore"`` checks
 nothing (no host-device synchronization). Under a sharding the ranks agree first
 (``Sharding.step_finite``), so every rank skips or raises alike.
+
+Under ``torch.compile`` a step whose parameters all have state is decided on the device
+(``snapshot`` and ``restore``): the step runs, and a parameter or state tensor it wrote keeps its old value
+where a gradient was not finite, so such a step applies nothing, with no host sync and no
+graph break. The verdict is kept on the device; the next eager ``step()`` or
+``raise_pending()`` reads it and raises (or, for ``"skip"``, warns) as an eager step would,
+naming the parameter. A first step (which makes the state) checks on the host.
 """
 
 from __future__ import annotations
@@ -14,6 +21,7 @@ from __future__ import annotations
 import warnings
 from typing import Any
 
+import torch
 from torch import Tensor
 
 from lightning_muon.functional import all_finite
@@ -30,6 +38,66 @@ class FiniteChecks:
     def __init__(self, optimizer: Any) -> None:
         self.optimizer = optimizer
         self._precheck: tuple | None = None
+        # Compiled steps' verdicts not read yet: per step, a flag per gradient and its (group, index).
+        self._pending: list[tuple[Tensor, list[tuple[int, int]]]] = []
+
+    def can_mask(self, work: list) -> bool:
+        """Whether a compiled step can be decided on the device: checks on, one process, every parameter with state.
+
+        A parameter's first step makes its state, which a masked step could not put back.
+        """
+        if self.optimizer.nonfinite == "ignore" or self.optimizer.sharding is not None:
+            return False
+        if not any(grads for _, _, grads in work):
+            return False
+        state = self.optimizer.state
+        return all(p in state and state[p] for _, params, _ in work for p in params)
+
+    def snapshot(self, work: list) -> tuple:
+        """Before a step decided on the device: each gradient's flag (finite or not) and a copy of every tensor the
+        step writes (its parameters and their state). ``restore(snapshot)`` after the step finishes it.
+
+        The flags come from one foreach reduction (each gradient's inf-norm); no host sync.
+        """
+        grads = [g for _, _, gs in work for g in gs]
+        where = [
+            (i, next(j for j, q in enumerate(group["params"]) if q is p))
+            for i, (group, params, _) in enumerate(work)
+            for p in params
+        ]
+        flags = torch.stack([n.float() for n in torch._foreach_norm(grads, float("inf"))]).isfinite()
+        state = self.optimizer.state
+        written = [p for _, params, _ in work for p in params]
+        written += [t for p in list(written) for t in state[p].values() if isinstance(t, Tensor)]
+        return flags, where, written, [t.clone() for t in written]
+
+    def restore(self, snapshot: tuple) -> None:
+        """After the step: every tensor it wrote keeps its copy unless every gradient was finite; the flags wait
+        for ``raise_pending``."""
+        flags, where, written, before = snapshot
+        ok = flags.all()
+        for t, old in zip(written, before):
+            t.copy_(torch.where(ok, t, old))
+        self._pending.append((flags, where))
+
+    def raise_pending(self) -> None:
+        """Read the verdicts of compiled steps (one sync): raise for a non-finite gradient, or warn for "skip"."""
+        pending, self._pending = self._pending, []
+        for flags, where in pending:
+            if bool(flags.all()):
+                continue
+            i, j = where[int((~flags).nonzero()[0, 0])]
+            if self.optimizer.nonfinite == "skip":
+                warnings.warn(
+                    f"Muon: a compiled step met a non-finite gradient in {self.label(i, j)} and applied nothing",
+                    RuntimeWarning,
+                    stacklevel=3,
+                )
+                continue
+            raise FloatingPointError(
+                f"Muon: non-finite gradient in {self.label(i, j)} in a compiled step, which applied nothing; "
+                "pass nonfinite='skip' to skip such steps"
+            )
 
     def grads_finite(self, work: list) -> bool:
         """True when the step may go on; False to skip it; raises for ``nonfinite="raise"``.

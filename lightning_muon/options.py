@@ -40,6 +40,9 @@ def _fields_text(cls: type, docs: dict[str, str]) -> list[str]:
             if f.default is not dataclasses.MISSING
             else (f.default_factory() if f.default_factory is not dataclasses.MISSING else None)
         )
+        if not f.init:  # ``fixed``: the algorithm's own value, no setting
+            lines.append(f"  {f.name} = {default!r} (fixed by the algorithm)")
+            continue
         choices = getattr(cls, "choices", {}).get(f.name)
         kind = f"one of {choices}" if choices else _type_text(hints[f.name])
         lines.append(f"  {f.name}: {kind} = {default!r}")

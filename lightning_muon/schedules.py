@@ -25,6 +25,7 @@ import math
 from dataclasses import asdict, dataclass, field, replace
 from typing import Any, Literal
 
+import torch
 from torch.optim import Optimizer
 from torch.optim.lr_scheduler import LRScheduler
 
@@ -324,7 +325,10 @@ class MuonScheduler(LRScheduler):
         lrs = self.get_lr()  # this run's schedule at the checkpoint's step (warmup only for Schedule-Free groups)
         for group, base, lr, target in zip(self.optimizer.param_groups, self.base_lrs, lrs, self.base_momenta):
             group["initial_lr"] = base
-            group["lr"] = lr
+            if isinstance(group["lr"], torch.Tensor):
+                group["lr"].fill_(lr)  # a Tensor lr stays the same object, as torch's schedulers keep it
+            else:
+                group["lr"] = lr
             if target is not None:
                 group["momentum"] = momentum_at(self.last_epoch, target, self.momentum_warmup)
         self._last_lr = [group["lr"] for group in self.optimizer.param_groups]

@@ -125,7 +125,8 @@ def plan_rounds(
         per_owner.setdefault(key[:2], []).extend(parts)
     # The owners' units in turn, so that a round holds a unit of every owner.
     queues = list(per_owner.values())
-    units = [q[k] for k in range(max(map(len, queues), default=0)) for q in queues if k < len(q)]
+    longest = max(map(len, queues)) if queues else 0  # (no default=: torch.compile traces this)
+    units = [q[k] for k in range(longest) for q in queues if k < len(q)]
 
     def loads(unit: list[int]) -> dict[int, float]:
         out: dict[int, float] = {}

@@ -21,7 +21,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_muon.algorithms.base import Algorithm, StepContext, register_algorithm
+from lightning_muon.algorithms.base import Algorithm, StepContext, group_lr, register_algorithm
 from lightning_muon.algorithms.families import AdamLikeSettings
 from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS, state_dtype
 from lightning_muon.functional import adamw_
@@ -70,7 +70,7 @@ class AdamW(Algorithm):
             params,
             grads,
             *adam_moments(ctx, params),
-            lr=group["lr"],
+            lr=group_lr(group),
             beta1=beta1,
             beta2=beta2,
             eps=group["eps"],

@@ -22,7 +22,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 
 from lightning_muon.algorithms.adamw import momentum_readout
-from lightning_muon.algorithms.base import Algorithm, StepContext, register_algorithm
+from lightning_muon.algorithms.base import Algorithm, StepContext, group_lr, register_algorithm
 from lightning_muon.algorithms.families import AdamLikeSettings, checked_betas
 from lightning_muon.algorithms.settings import setting
 
@@ -118,8 +118,17 @@ class ScheduleFreeAdamW(Algorithm):
 
     def finish_step(self, ctx: StepContext, groups: list[dict[str, Any]]) -> None:
         # All groups at once, as AdamWScheduleFree steps its own: a group without gradients
-        # still counts the step (its k and weight_sum advance).
-        self._optimizer(ctx, groups).step()
+        # still counts the step (its k and weight_sum advance). A Tensor lr is lent as its value:
+        # the package's arithmetic would run in the Tensor's dtype (and keep lr_max as a Tensor),
+        # not in the Python floats of a float lr; the Tensor goes back for a scheduler to fill.
+        tensor_lrs = {i: g["lr"] for i, g in enumerate(groups) if isinstance(g["lr"], Tensor)}
+        for i in tensor_lrs:
+            groups[i]["lr"] = group_lr(groups[i])
+        try:
+            self._optimizer(ctx, groups).step()
+        finally:
+            for i, lr in tensor_lrs.items():
+                groups[i]["lr"] = lr
 
     def train(self, ctx: StepContext, groups: list[dict[str, Any]]) -> None:
         """Parameters to ``y``, where gradients are taken (a no-op for groups already in train mode)."""

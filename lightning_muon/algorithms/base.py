@@ -18,8 +18,8 @@ checks), what a new group needs, and how to step a group::
 ``ctx`` is the optimizer's ``StepContext``: its state, its settings, the sharding and the
 update hooks, and nothing else of it.
 
-The built-in algorithms register themselves at the bottom of their modules (``muon``,
-``adamw``, ``lion``, ``adamw_schedulefree``, ``muon_hyperball``); a user's algorithm, in a
+The built-in algorithms (all 14: ``algorithm_names()``) register themselves at the bottom of
+their modules in this package; a user's algorithm, in a
 file of its own, does the same with ``register_algorithm`` and is then a name like any
 other, in a param group, a routing ``Rule`` and YAML.
 
@@ -54,6 +54,7 @@ __all__ = [
     "algorithm_names",
     "get_algorithm",
     "get_algorithm_of_kind",
+    "group_lr",
     "orthogonalizes",
     "per_matrix",
     "register_algorithm",
@@ -127,6 +128,17 @@ class StepContext:
         return next(i for i, g in enumerate(self._optimizer.param_groups) if g is group)
 
 
+def group_lr(group: Mapping[str, Any]) -> float:
+    """A group's lr as a Python number, what a step's arithmetic takes.
+
+    A Tensor lr (``Muon(params, lr=torch.tensor(1e-3))``, as torch.optim.Muon accepts it) stays a
+    Tensor in the group, where an LR scheduler ``fill_``s it; a step reads its value here
+    (``item()``, one device sync for a CUDA lr), so a Tensor lr steps as the same float does.
+    """
+    lr = group["lr"]
+    return lr.item() if isinstance(lr, Tensor) else lr
+
+
 # Keys a param group always has, whatever its algorithm: no hyperparameter may take them.
 RESERVED_KEYS = frozenset({"params", "algorithm", "name", "param_names"})
 _NAME = re.compile(r"^[A-Za-z_][A-Za-z0-9_]*$")
@@ -175,7 +187,8 @@ class Algorithm:
 
     def option_names(self) -> frozenset[str]:
         """The keys a param group of this algorithm may set: its settings, layout, ``name``, ``param_names``."""
-        names = {*self.settings.field_names(), *aliases_of(self.settings)}  # other projects' names too (aliases)
+        fields = (f.name for f in dataclasses.fields(self.settings))  # fixed ones too: a group holds them
+        names = {*fields, *aliases_of(self.settings)}  # other projects' names too (aliases)
         return frozenset({"name", "param_names", *names, *self.layout_options})
 
     def make_settings(self, values: Mapping[str, Any], where: str = "Muon()") -> Settings:
@@ -187,9 +200,9 @@ class Algorithm:
 
         ``where`` starts every message (``"Muon()"``, ``"param group 2 ('muon')"``). Raises ``HparamError``.
         """
-        fields = self.settings.field_names()
+        fields = self.settings.field_names()  # not the fixed ones: ``init_group`` refuses another value of those
         given = {k: v for k, v in canonical_keys(self.settings, values, where).items() if k in fields}
-        return self.make_settings(given, where).asdict()
+        return self.make_settings(given, where).arguments()
 
     def group_defaults(self, config: SettingsSource) -> dict[str, Any]:
         """The values a new group of this algorithm starts from: ``config``'s settings for it."""

@@ -28,7 +28,7 @@ import torch
 
 from lightning_muon.algorithms.settings import Settings, choices_of, setting
 from lightning_muon.functional import ADJUST_LR_MODES
-from lightning_muon.newton_schulz import NSMethod, check_ns_dtype, dtype_name, resolve_coefficients
+from lightning_muon.newton_schulz import NSMethod, check_ns_dtype, coefficient_list, dtype_name, resolve_coefficients
 
 __all__ = [
     "AdamLikeSettings",
@@ -74,8 +74,8 @@ def _dtype_name(value: Any) -> Any:
 class MatrixSettings(Settings):
     """The settings of every algorithm of the hidden matrices."""
 
-    lr: float = setting(0.02, low=0.0)
-    """Learning rate (the peak, before the schedule)."""
+    lr: float = setting(0.02, low=0.0, tensor=True)
+    """Learning rate (the peak, before the schedule); a 1-element Tensor is kept as given (LR schedulers fill it)."""
     weight_decay: float = setting(0.0, low=0.0)
     """Weight decay coefficient; how it applies is ``weight_decay_method``."""
     weight_decay_method: WeightDecayMethod = "decoupled"
@@ -110,8 +110,13 @@ class NewtonSchulzSettings(OrthogonalizedSettings):
 
     ns_steps: int = setting(5, low=1, integer=True)
     """Newton-Schulz iterations."""
-    ns_coefficients: CoefficientName | list[tuple[float, float, float]] = "polar_express"
-    """A schedule name in COEFFICIENTS or a list of (a, b, c), one per step (the last repeats)."""
+    ns_coefficients: CoefficientName | list[tuple[float, float, float]] | tuple[float, float, float] = "polar_express"
+    """A schedule name in COEFFICIENTS or a list of (a, b, c), one per step (the last repeats); one (a, b, c),
+    torch.optim.Muon's form, is every step's (stored as a list of one)."""
+    ns_eps: float | None = setting(None, low=0.0, low_open=True)
+    """Newton-Schulz's pre-scaling floor (torch.optim.Muon's eps): X = U / max(||U||_F * safety, ns_eps), so a U
+    whose norm is below it is divided by it and stays small; None: the schedule's own, X = U / (||U||_F * safety +
+    eps) (safety 1, eps 1e-7; polar_express 1.02 and 1e-6, polar_express_paper 1.01 and 1e-7); > 0."""
     ns_dtype: NSDtype | None = setting(None, convert=_dtype_name)
     """Newton-Schulz dtype; None: as fp32_matmul_prec says (automatic under "medium")."""
     ns_method: NSMethod = "auto"
@@ -126,7 +131,7 @@ class NewtonSchulzSettings(OrthogonalizedSettings):
         except (TypeError, ValueError) as err:
             raise self.error("ns_coefficients", str(err).removeprefix("ns_coefficients").lstrip(": ")) from None
         if not isinstance(self.ns_coefficients, str):
-            self._set("ns_coefficients", [tuple(abc) for abc in self.ns_coefficients])
+            self._set("ns_coefficients", coefficient_list(self.ns_coefficients))
         try:
             dtype = check_ns_dtype(self.ns_dtype)
         except ValueError as err:
@@ -138,8 +143,8 @@ class NewtonSchulzSettings(OrthogonalizedSettings):
 class ScalarSettings(Settings):
     """The settings of every algorithm of the parameters that are not hidden matrices."""
 
-    lr: float = setting(3e-4, low=0.0)
-    """Learning rate (the peak, before the schedule)."""
+    lr: float = setting(3e-4, low=0.0, tensor=True)
+    """Learning rate (the peak, before the schedule); a 1-element Tensor is kept as given (LR schedulers fill it)."""
     weight_decay: float = setting(0.0, low=0.0)
     """Decoupled weight decay: W (1 - lr wd)."""
 

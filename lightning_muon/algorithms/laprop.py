@@ -12,7 +12,6 @@ State per parameter: ``step`` (a 0-D tensor), ``exp_avg``, ``exp_avg_sq`` (store
 from __future__ import annotations
 
 import math
-from collections.abc import Iterator, Sequence
 from dataclasses import dataclass
 from typing import Any, ClassVar
 
@@ -20,11 +19,11 @@ import torch
 from torch import Tensor
 
 from lightning_muon.algorithms.adamw import adam_moments, momentum_readout
-from lightning_muon.algorithms.base import Algorithm, StepContext, register_algorithm
+from lightning_muon.algorithms.base import Algorithm, StepContext, group_lr, register_algorithm
 from lightning_muon.algorithms.families import AdamLikeSettings, WeightDecayMethod
 from lightning_muon.algorithms.settings import setting
 from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS
-from lightning_muon.functional import decay_weights_
+from lightning_muon.functional import decay_weights_, widening_chunks
 
 __all__ = [
     "LAPROP",
@@ -32,10 +31,6 @@ __all__ = [
     "LaPropSettings",
     "laprop_",
 ]
-
-# Parameter elements widened to float32 at once when the parameters or the moments are narrower:
-# 64 MiB per widened list, so a step over a large bf16 embedding holds a bounded extra copy.
-_WIDEN_ELEMENTS = 1 << 24
 
 
 @dataclass(frozen=True, kw_only=True)
@@ -74,12 +69,12 @@ def laprop_(
 
     The math runs in float32 at least: a bf16 parameter, gradient or moment (``exp_avg_dtype``,
     ``exp_avg_sq_dtype``) is read into float32, updated there and rounded once on its way back,
-    ``_WIDEN_ELEMENTS`` elements at a time. ``grads`` are not modified ("l2" adds the decay to a copy).
+    a part at a time (``functional.widening_chunks``). ``grads`` are not modified ("l2" adds the decay to a copy).
     """
     work = [torch.promote_types(p.dtype, torch.float32) for p in params]
     lists = (params, grads, exp_avgs, exp_avg_sqs)
     if any(t.dtype != w for ts in lists for t, w in zip(ts, work)):
-        for part in _batches(params):
+        for part in widening_chunks(params):
             # ``Tensor.to`` returns the tensor itself where it already is in the work dtype.
             wide = [[t.to(w) for t, w in zip(ts[part], work[part])] for ts in lists]
             laprop_(
@@ -116,18 +111,6 @@ def laprop_(
     for p, before in zip(params, pre_norms):
         # eps floors the divisor: a parameter stepped to zero stays zero rather than NaN (for eps > 0).
         p.mul_(before / torch.linalg.vector_norm(p).clamp_min(eps))
-
-
-def _batches(params: Sequence[Tensor]) -> Iterator[slice]:
-    """Consecutive slices of ``params`` of at most ``_WIDEN_ELEMENTS`` elements each (one parameter at least)."""
-    start, total = 0, 0
-    for i, p in enumerate(params):
-        if i > start and total + p.numel() > _WIDEN_ELEMENTS:
-            yield slice(start, i)
-            start, total = i, 0
-        total += p.numel()
-    if start < len(params):
-        yield slice(start, len(params))
 
 
 class LaProp(Algorithm):
@@ -167,7 +150,7 @@ class LaProp(Algorithm):
             params,
             grads,
             *adam_moments(ctx, params),
-            lr=group["lr"],
+            lr=group_lr(group),
             beta1=beta1,
             beta2=beta2,
             eps=group["eps"],

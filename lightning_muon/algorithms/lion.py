@@ -21,7 +21,7 @@ import torch
 from torch import Tensor
 
 from lightning_muon.algorithms.adamw import momentum_readout
-from lightning_muon.algorithms.base import Algorithm, StepContext, register_algorithm
+from lightning_muon.algorithms.base import Algorithm, StepContext, group_lr, register_algorithm
 from lightning_muon.algorithms.families import Betas, ScalarSettings, checked_betas
 from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS, state_dtype
 from lightning_muon.functional import lion_
@@ -62,7 +62,7 @@ class Lion(Algorithm):
             params,
             grads,
             [state[p]["exp_avg"] for p in params],
-            lr=group["lr"],
+            lr=group_lr(group),
             beta1=beta1,
             beta2=beta2,
             weight_decay=group["weight_decay"],

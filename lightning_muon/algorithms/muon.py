@@ -27,19 +27,21 @@ from __future__ import annotations
 
 import dataclasses
 from collections import Counter
+from collections.abc import Callable
 from dataclasses import dataclass
 from typing import Any, Literal
 
 import torch
 from torch import Tensor
 
-from lightning_muon.algorithms.base import Algorithm, SettingsSource, StepContext, register_algorithm
+from lightning_muon.algorithms.base import Algorithm, SettingsSource, StepContext, group_lr, register_algorithm
 from lightning_muon.algorithms.checks import check_bool
 from lightning_muon.algorithms.families import NewtonSchulzSettings, matmul_precision_of, ns_dtype_for
 from lightning_muon.algorithms.settings import setting
 from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS, state_dtype
 from lightning_muon.functional import (
     adjust_lr_ratio,
+    map_matrices,
     muon_apply_,
     muon_momentum_,
     muon_orthogonalize,
@@ -210,7 +212,19 @@ class MuonAlgorithm(Algorithm):
             "ns_coefficients": group["ns_coefficients"],
             "ns_dtype": ns_dtype_for(group),
             "ns_method": group["ns_method"],
+            "ns_eps": group.get("ns_eps"),  # absent from a group pickled before it existed: the schedule's own
         }
+
+    def work_dtype(self, group: dict) -> torch.dtype | None:
+        """The dtype the group's per-matrix work runs in, for the rounds' memory estimate (None: automatic)."""
+        return check_ns_dtype(self.ns_options(group)["ns_dtype"])
+
+    def donation_dtypes(
+        self, group: dict, matrices: list[Tensor], multi_shapes: frozenset[tuple[int, int]]
+    ) -> list[torch.dtype]:
+        """Per matrix, the dtype to make a donated update in (``newton_schulz.donated_dtypes``)."""
+        ns = self.ns_options(group)
+        return donated_dtypes(matrices, ns["ns_dtype"], ns["ns_method"], multi_shapes)
 
     def momentum_options(self, group: dict) -> tuple[float, bool, str]:
         """``(momentum, nesterov, momentum_form)`` of this group."""
@@ -295,7 +309,7 @@ class MuonAlgorithm(Algorithm):
         if cap is None or len(params) == 1:
             return [list(range(len(params)))]
         layout = layout_of(group)
-        ns_dtype = check_ns_dtype(self.ns_options(group)["ns_dtype"])
+        ns_dtype = self.work_dtype(group)
         costs, kinds = [], []
         for p in params:
             work = ns_dtype if ns_dtype is not None else torch.promote_types(p.dtype, torch.float32)
@@ -317,8 +331,7 @@ class MuonAlgorithm(Algorithm):
         layout = layout_of(group)
         if donate and layout.split_sizes is None and not layout.batched:
             flat = [g.reshape(g.shape[0], -1) for g in rnd.grads]  # the matrices Newton-Schulz will see
-            ns = self.ns_options(group)
-            out_dtypes = donated_dtypes(flat, ns["ns_dtype"], ns["ns_method"], rnd.multi_shapes)
+            out_dtypes = self.donation_dtypes(group, flat, rnd.multi_shapes)
         rnd.updates = self.momentum(ctx, group, rnd, out_dtypes)
         self.before_orthogonalize(ctx, group, rnd)
         observed = list(rnd.updates) if hooks else None  # the hooks' view (no hooks: no donation either)
@@ -356,8 +369,8 @@ class MuonAlgorithm(Algorithm):
         layout = layout_of(group)
         sharding = ctx.sharding
         sums = namo_norms(rnd.grads, rnd.updates, layout, ctx.local_shard)  # (K, 2) this rank's part
-        if sharding is not None and not layout.batched:
-            sums = sharding.reduce_matrix_sums(rnd.params, sums)  # whole matrices
+        if sharding is not None:
+            sums = sharding.reduce_matrix_sums(rnd.params, sums, layout)  # whole matrices (as they are where whole)
         rnd.extras["namo"] = sums
 
     def orthogonalize(self, ctx: StepContext, group: dict, rnd: MuonRound, donate: bool = False) -> list[list[Tensor]]:
@@ -373,15 +386,14 @@ class MuonAlgorithm(Algorithm):
         cap: int | None = None,
         multi_shapes: frozenset[tuple[int, int]] = frozenset(),
         donate: bool = False,
-        ns_method: Any = None,
         observe: bool = True,
     ) -> list[list[Tensor]]:
         """``tensors`` (one per parameter of ``params``) orthogonalized with the group's settings, across ranks too.
 
         The primitive of ``orthogonalize``, also for a stage that orthogonalizes something else
         (a weight projected back onto its manifold; ``observe=False`` then keeps the update
-        hooks out) or maps whole matrices (``ns_method``: a ``newton_schulz.MatrixMap``): a
-        sharding gathers each whole matrix to its owner and returns this rank's part of the
+        hooks out): a sharding runs Newton-Schulz where each matrix is whole
+        (``Sharding.orthogonalize``, a ``map_whole``) and returns this rank's part of the
         result. A DTensor result (FSDP2) is this rank's rows of it.
         """
         kwargs = dict(
@@ -390,16 +402,39 @@ class MuonAlgorithm(Algorithm):
             max_stack_bytes=cap,
             multi_shapes=multi_shapes,
         )
-        if ns_method is not None:
-            kwargs["ns_method"] = ns_method
         sharding = ctx.sharding
         if sharding is not None:
-            if observe:
-                return sharding.orthogonalize(params, tensors, **kwargs)
-            with sharding.unobserved():
-                return sharding.orthogonalize(params, tensors, **kwargs)
+            return sharding.orthogonalize(params, tensors, observe=observe, **kwargs)
         # Pieces stay in Newton-Schulz's dtype: muon_apply_ adds them into the parameters in one pass.
         return muon_orthogonalize(tensors, **kwargs, keep_work_dtype=True, donate=donate)
+
+    def map_tensors(
+        self,
+        ctx: StepContext,
+        group: dict,
+        params: list[Tensor],
+        tensors: list[Tensor],
+        fn: Callable[[Tensor], Tensor],
+        donate: bool = False,
+        observe: bool = True,
+    ) -> list[list[Tensor]]:
+        """``fn`` on every matrix of ``tensors`` (one per parameter of ``params``), each whole, across ranks too.
+
+        For per-matrix work that is not Newton-Schulz (MOP's polar factor by SVD, Sinkhorn-Knopp
+        on a weight): ``fn`` takes one stored ``(rows, cols)`` matrix in float32 at least and
+        returns its result (``functional.map_matrices``). A sharding runs it where each matrix
+        is whole (``Sharding.map_whole``); ``observe`` as in ``orthogonalize_tensors``.
+        """
+        layout = layout_of(group)
+        sharding = ctx.sharding
+        if sharding is None:
+            return map_matrices(tensors, fn, layout=layout, donate=donate)
+
+        def work(indices: list[int], wholes: list[list[Tensor]]) -> list[list[Tensor]]:
+            return map_matrices([w[0] for w in wholes], fn, layout=layout)
+
+        observer = sharding.update_observer(params, tensors) if observe else None
+        return sharding.map_whole(params, [[t] for t in tensors], work, layout=layout, observe=observer)
 
     def normalize(self, ctx: StepContext, group: dict, rnd: MuonRound) -> list[list[Tensor]]:
         """NorMuon / AdaMuon / NAMO normalization of ``rnd.ortho``; the buffer lives in ``state[p]["second_moment"]``.
@@ -443,7 +478,7 @@ class MuonAlgorithm(Algorithm):
             params,
             ortho,
             layout=layout_of(group),
-            lr=group["lr"],
+            lr=group_lr(group),
             weight_decay=group["weight_decay"],
             adjust_lr="none" if adjust == "nuclear_norm" else adjust,  # MOP's: applied in its normalize
             extra_scale_factor=group["extra_scale_factor"] * extra,

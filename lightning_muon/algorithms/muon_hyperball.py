@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_muon.algorithms.base import StepContext, register_algorithm
+from lightning_muon.algorithms.base import StepContext, group_lr, register_algorithm
 from lightning_muon.algorithms.muon import MuonAlgorithm, MuonRound, MuonSettings
 from lightning_muon.algorithms.settings import setting
 from lightning_muon.algorithms.state_dtypes import MAIN_PARAM
@@ -102,7 +102,7 @@ class MuonHyperball(MuonAlgorithm):
 
     def apply_update(self, ctx: StepContext, group: dict, rnd: MuonRound) -> None:
         params, ortho = rnd.params, rnd.ortho
-        lr, eps, radius = group["lr"], group["hyperball_eps"], group["hyperball_radius"]
+        lr, eps, radius = group_lr(group), group["hyperball_eps"], group["hyperball_radius"]
         if lr == 0.0:
             return  # nothing moves (and no renormalization rounds a weight already on its sphere)
         if group["weight_decay"] != 0.0:
@@ -118,7 +118,7 @@ class MuonHyperball(MuonAlgorithm):
         parts = [_partial_sums(local(p.detach()), [local(o) for o in os], layout) for p, os in zip(params, ortho)]
         sums = torch.stack(parts)
         if sharding is not None:
-            sums = sharding.reduce_matrix_sums(params, sums)
+            sums = sharding.reduce_matrix_sums(params, sums, layout)
         for p, pieces, (ww, wo, oo) in zip(params, ortho, sums.tolist()):
             R = radius if radius is not None else math.sqrt(ww)
             c = lr * R / max(math.sqrt(oo), eps)  # W <- W - c O is W - lr (R O / max(||O||, eps))

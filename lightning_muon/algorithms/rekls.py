@@ -53,7 +53,7 @@ class REKLS(SOAP):
     settings = REKLSSettings
 
     def update_options(self, group: dict[str, Any]) -> dict[str, Any]:
-        return super().update_options({**group, **_FIXED})  # a stray use_eigh key changes nothing
+        return super().update_options({**group, **_FIXED})  # SOAP's flags as REKLS fixes them
 
 
 REKLS_ALGORITHM = register_algorithm(REKLS())

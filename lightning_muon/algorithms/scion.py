@@ -50,19 +50,16 @@ FIXED = {"weight_decay": 1.0, "weight_decay_method": "decoupled", "nesterov": Fa
 
 @dataclass(frozen=True, kw_only=True)
 class ScionSettings(
-    NewtonSchulzSettings, algorithm="scion", defaults={**EO_DEFAULTS, **FIXED, "adjust_lr": "spectral_norm"}
+    NewtonSchulzSettings,
+    algorithm="scion",
+    defaults={**EO_DEFAULTS, "adjust_lr": "spectral_norm"},
+    fixed=FIXED,
 ):
     """Scion groups, Emerging-Optimizers' defaults: its Frank-Wolfe step fixes the decay at 1 and the momentum
-    without Nesterov (a group that sets them otherwise is refused)."""
+    without Nesterov (no settings of Scion's; a group that sets them otherwise is refused)."""
 
     spectral_radius: float = setting(1.0, low=0.0, low_open=True)
     """Radius rho of the RMS-to-RMS spectral-norm ball the update's vertex lies on; > 0."""
-
-    def normalize(self) -> None:
-        super().normalize()
-        for key, fixed in FIXED.items():
-            if getattr(self, key) != fixed:
-                raise self.error(key, f"is fixed at {fixed!r} by scion's Frank-Wolfe step, got {getattr(self, key)!r}")
 
 
 class Scion(EmergingVariant):
@@ -75,8 +72,9 @@ class Scion(EmergingVariant):
         for key, fixed in FIXED.items():
             if key in group and group[key] != fixed:
                 detail = (
-                    f"scion fixes {key}={fixed!r} (its Frank-Wolfe step shrinks W by 1 - lr, with plain EMA "
-                    f"momentum), got {group[key]!r}; drop {key!r}, or route these parameters to 'polargrad' or 'muon'"
+                    f"{key} is fixed at {fixed!r} by scion's Frank-Wolfe step (it shrinks W by 1 - lr, with plain "
+                    f"EMA momentum), got {group[key]!r}; drop {key!r}, or route these parameters to 'polargrad' or "
+                    "'muon'"
                 )
                 raise HparamError(f"{where}: {detail}", key, detail)
         super().init_group(group, params, where)

@@ -39,6 +39,8 @@ import typing
 from collections.abc import Callable, Mapping
 from typing import Any, ClassVar, Literal
 
+import torch
+
 from lightning_muon.algorithms.checks import HparamError
 
 __all__ = ["Settings", "choices_of", "field_docs", "setting"]
@@ -53,13 +55,18 @@ def setting(
     high_open: bool = False,
     integer: bool = False,
     convert: Callable[[Any], Any] | None = None,
+    tensor: bool = False,
 ) -> Any:
     """A field's default, the range its value must lie in (checked by ``Settings.__post_init__``; none
-    without ``low``), and ``convert``, applied to a value before it is checked (a ``torch.dtype`` to its name)."""
+    without ``low``), and ``convert``, applied to a value before it is checked (a ``torch.dtype`` to its name).
+
+    ``tensor=True`` also admits a 1-element floating ``Tensor`` in the range, kept as given (an lr:
+    torch.optim's LR schedulers ``fill_`` a Tensor lr in place, and the steps read it as a number).
+    """
     bounds = None
     if low is not None or high != math.inf or integer:
         bounds = {"low": low, "high": high, "low_open": low_open, "high_open": high_open, "int": integer}
-    return dataclasses.field(default=default, metadata={"bounds": bounds, "convert": convert})
+    return dataclasses.field(default=default, metadata={"bounds": bounds, "convert": convert, "tensor": tensor})
 
 
 @functools.cache
@@ -100,7 +107,10 @@ class Settings:
     """The group defaults of one algorithm (module docstring). Subclasses are frozen, keyword-only dataclasses.
 
     Class statement keywords: ``algorithm``, the registered name these settings are for
-    (set on the classes a config may name), and ``defaults``, new defaults of inherited fields.
+    (set on the classes a config may name), ``defaults``, new defaults of inherited fields, and
+    ``fixed``, inherited fields the algorithm sets itself: they keep that value, are no
+    argument of the class (a config switching to it drops them, as jsonargparse drops any
+    argument the new class lacks), and are not ``field_names`` a user may set.
     """
 
     algorithm: ClassVar[str] = ""
@@ -108,18 +118,27 @@ class Settings:
     choices: ClassVar[Mapping[str, tuple]] = {}
     """Per field, the values this class admits where it narrows its base's ``Literal`` (MOP's adjust_lr)."""
 
-    def __init_subclass__(cls, *, algorithm: str | None = None, defaults: Mapping[str, Any] | None = None, **kw):
+    def __init_subclass__(
+        cls,
+        *,
+        algorithm: str | None = None,
+        defaults: Mapping[str, Any] | None = None,
+        fixed: Mapping[str, Any] | None = None,
+        **kw,
+    ):
         super().__init_subclass__(**kw)
         if algorithm is not None:
             cls.algorithm = algorithm
-        for name, value in (defaults or {}).items():
-            base = next((b for b in cls.__mro__[1:] if name in getattr(b, "__dataclass_fields__", {})), None)
-            if base is None:
-                raise TypeError(f"{cls.__name__}: defaults names {name!r}, which no base declares")
-            inherited = base.__dataclass_fields__[name]
-            # The base's type, evaluated where the base was written (a string here would be read in this module).
-            cls.__annotations__ = {**cls.__dict__.get("__annotations__", {}), name: _hints(base)[name]}
-            setattr(cls, name, dataclasses.field(default=value, metadata=inherited.metadata))
+        for keyword, changes in (("defaults", defaults), ("fixed", fixed)):
+            for name, value in (changes or {}).items():
+                base = next((b for b in cls.__mro__[1:] if name in getattr(b, "__dataclass_fields__", {})), None)
+                if base is None:
+                    raise TypeError(f"{cls.__name__}: {keyword} names {name!r}, which no base declares")
+                inherited = base.__dataclass_fields__[name]
+                # The base's type, evaluated where the base was written (a string here would be read in this module).
+                cls.__annotations__ = {**cls.__dict__.get("__annotations__", {}), name: _hints(base)[name]}
+                field = dataclasses.field(default=value, init=keyword != "fixed", metadata=inherited.metadata)
+                setattr(cls, name, field)
         own = cls.__dict__.get("__annotations__", {})
         if own:  # evaluated now, where the class is written: jsonargparse and IDEs read real types off __init__
             hints = typing.get_type_hints(cls, include_extras=True)
@@ -159,9 +178,22 @@ class Settings:
                 raise self.error(name, f"must be a bool, got {value!r}")
             return value
         bounds = f.metadata.get("bounds")
+        if f.metadata.get("tensor") and isinstance(value, torch.Tensor):
+            return self._tensor_in_bounds(name, value, bounds)
         if bounds is not None and not (value is None and _optional(hint)):
             return self._in_bounds(name, value, bounds)
         return value
+
+    def _tensor_in_bounds(self, name: str, value: torch.Tensor, bounds: dict[str, Any] | None) -> torch.Tensor:
+        if value.numel() != 1 or not value.is_floating_point():
+            raise self.error(
+                name,
+                f"must be a number or a 1-element floating Tensor, got a Tensor of shape {tuple(value.shape)} "
+                f"and dtype {value.dtype}",
+            )
+        if bounds is not None:
+            self._in_bounds(name, value.item(), bounds)
+        return value  # the Tensor itself: a scheduler that fills it moves this setting
 
     def _in_bounds(self, name: str, value: Any, bounds: dict[str, Any]) -> Any:
         if bounds["int"]:
@@ -191,12 +223,16 @@ class Settings:
 
     @classmethod
     def field_names(cls) -> tuple[str, ...]:
-        """The fields, in declaration order (a base's first)."""
-        return tuple(f.name for f in dataclasses.fields(cls))
+        """The fields a user sets, in declaration order (a base's first); not the ``fixed`` ones."""
+        return tuple(f.name for f in dataclasses.fields(cls) if f.init)
+
+    def arguments(self) -> dict[str, Any]:
+        """The fields a user sets (``field_names``) as a dict: what makes these settings again (YAML's init_args)."""
+        return {name: getattr(self, name) for name in self.field_names()}
 
     def asdict(self) -> dict[str, Any]:
-        """The fields as a dict (the keys a param group of the algorithm stores)."""
-        return {name: getattr(self, name) for name in self.field_names()}
+        """Every field as a dict, ``fixed`` ones included (the keys a param group of the algorithm stores)."""
+        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)}
 
     def replace(self, **changes: Any) -> Settings:
         """A copy with ``changes``, checked."""

@@ -23,7 +23,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_muon.algorithms.adamw import momentum_readout
-from lightning_muon.algorithms.base import Algorithm, StepContext, register_algorithm
+from lightning_muon.algorithms.base import Algorithm, StepContext, group_lr, register_algorithm
 from lightning_muon.algorithms.families import Betas, FP32MatmulPrec, MatrixSettings, checked_betas
 from lightning_muon.algorithms.settings import setting
 from lightning_muon.functional import decay_weights_
@@ -179,7 +179,7 @@ class SOAP(Algorithm):
                     "MuonFSDPSharding), or route it to 'adamw'"
                 )
             self._step_sharded(ctx, group, [params[i] for i in sharded], [grads[i] for i in sharded])
-        lr, weight_decay, method = group["lr"], group["weight_decay"], group["weight_decay_method"]
+        lr, weight_decay, method = group_lr(group), group["weight_decay"], group["weight_decay_method"]
         for p, g in zip(params, grads):
             if isinstance(p, DTensor):
                 continue
@@ -223,13 +223,16 @@ class SOAP(Algorithm):
             for p, g, e in zip(params, grads, entries)
         ]
 
-        def step_whole(i: int, wholes: list[Tensor]) -> list[Tensor]:
+        def step_one(i: int, wholes: list[Tensor]) -> list[Tensor]:
             grad, state, weight = wholes[0], wholes[1 : 1 + len(SOAP_STATE_KEYS)], wholes[1 + len(SOAP_STATE_KEYS) :]
             whole = dict(zip(SOAP_STATE_KEYS, state), step=entries[i]["step"])
             update = self._update(group, whole, grad, weight[0] if weight else None)
             return [update.to(grad.dtype), *(whole[k] for k in SOAP_STATE_KEYS), *weight]
 
-        lr, weight_decay, method = group["lr"], group["weight_decay"], group["weight_decay_method"]
+        def step_whole(indices: list[int], wholes: list[list[Tensor]]) -> list[list[Tensor]]:
+            return [step_one(i, ws) for i, ws in zip(indices, wholes)]  # each matrix on its own
+
+        lr, weight_decay, method = group_lr(group), group["weight_decay"], group["weight_decay_method"]
         for p, entry, parts in zip(params, entries, ctx.sharding.map_whole(params, tensors, step_whole)):
             for key, rows in zip(SOAP_STATE_KEYS, parts[1:]):
                 entry[key].to_local().copy_(rows)

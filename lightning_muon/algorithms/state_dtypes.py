@@ -20,7 +20,7 @@ parameters without a master copy). A narrow buffer is read into the parameter's 
 updated and used there, and rounded once on its way back (``functional``), so only the
 stored value loses digits, once per step.
 
-The built-in algorithms say which settings they honour (``Algorithm.state_settings``); a
+The built-in algorithms say which settings they honour (``Algorithm.state_dtype_settings``); a
 group of an algorithm that does not honour a setting that is not at its default is refused
 (``Muon.add_param_group``): nothing is silently ignored.
 """
@@ -54,7 +54,7 @@ STATE_DTYPES = ("float32", "bfloat16")
 MAIN_PARAMS_DTYPES = (None, "float32")
 StateDtype = Literal["float32", "bfloat16"]
 MainParamsDtype = Literal["float32"] | None
-# Every setting with its default; an algorithm lists those it honours in ``state_settings``.
+# Every setting with its default; an algorithm lists those it honours in ``state_dtype_settings``.
 STATE_SETTINGS = {"exp_avg_dtype": "float32", "exp_avg_sq_dtype": "float32", "main_params_dtype": None}
 MAIN_PARAM = "main_param"
 """The state key of a parameter's fp32 master copy."""

@@ -8,7 +8,8 @@ Muon weight is then one of (placements on (data, tensor))::
     RowwiseParallel:  (Shard(0), Shard(1))           rank (d, t): row chunk d of column block t
     not in the plan:  (Shard(0), Replicate()) or a 1-D (Shard(0),) on the data dim
 
-For one Muon param group ``MuonTPSharding.orthogonalize`` does::
+For one Muon param group ``MuonTPSharding.map_whole`` with a layout (Newton-Schulz, through
+``orthogonalize``; MOP's SVD, Sinkhorn, Spel's projection) does::
 
     1. data dim:   all_to_all_v: each rank sends its rows of every matrix to the matrix's
                    owner among its data-parallel peers (the same owner d* for every t)
@@ -21,6 +22,8 @@ For one Muon param group ``MuonTPSharding.orthogonalize`` does::
                     Gram matrix (tp_math.newton_schulz_on_shards); a block split along
                     the short side is first re-split along the long side by an
                     all-to-all, and back after. Exact; no rank holds a whole matrix.
+                    Work other than Newton-Schulz (a map) gathers its matrices as
+                    duplicated does.
        blockwise    each block orthogonalized alone: no traffic, and not Muon (the polar
                     factor of a block is not a block of the polar factor): an
                     approximation, to compare against.
@@ -37,7 +40,6 @@ from __future__ import annotations
 
 import math
 import warnings
-from collections.abc import Callable
 from typing import NamedTuple
 
 import torch
@@ -56,11 +58,10 @@ from lightning_muon.distributed.fsdp import (
     shard_rows,
 )
 from lightning_muon.distributed.planning import plan_ownership
-from lightning_muon.distributed.protocol import Sharding
+from lightning_muon.distributed.protocol import NewtonSchulzWork, Observer, Sharding, WholeWork
 from lightning_muon.distributed.tp_math import TP_MODES, long_side_split, newton_schulz_on_shards
-from lightning_muon.functional import muon_orthogonalize
 from lightning_muon.layout import MatrixLayout, layout_of
-from lightning_muon.newton_schulz import MatrixMap, resolve_coefficients, resolve_ns_dtype
+from lightning_muon.newton_schulz import resolve_coefficients, resolve_ns_dtype
 
 __all__ = ["DP_DIM", "TP_DIM", "MuonTPSharding", "tp_split_dim"]
 
@@ -134,7 +135,7 @@ class MuonTPSharding(MuonFSDPSharding):
             [tuple(p.shape) for p in params],
             self.dp_size,
             layouts=layouts,
-            spread=[lay.batched for lay in layouts],  # expert stacks: orthogonalized where their experts are
+            spread=[lay.row_blocks_hold_whole_matrices for lay in layouts],  # expert stacks: where their experts are
         )
         self._warned_observer = False
         # The owners are data-parallel ranks; the finiteness agreement spans every rank
@@ -150,31 +151,49 @@ class MuonTPSharding(MuonFSDPSharding):
             stats=self.stats_by_dim["world"],
         )
 
-    # ------------------------------------------------------------------ orthogonalization
+    # ------------------------------------------------------------------ work on whole matrices
 
     @torch.no_grad()
-    def orthogonalize(self, params: list[Tensor], updates: list[Tensor], **ns_kwargs) -> list[list[Tensor]]:
-        """Per update, its orthogonalized pieces as DTensors placed like the update.
+    def map_whole(
+        self,
+        params: list[Tensor],
+        tensors: list[list[Tensor]],
+        fn: WholeWork,
+        *,
+        layout: MatrixLayout | None = None,
+        wire_dtype: torch.dtype | None = None,
+        observe: Observer | None = None,
+    ) -> list[list[Tensor]]:
+        """``Sharding.map_whole`` on a 2-D mesh: with a ``layout``, the module docstring's steps 1 to 3.
 
-        Expert stacks (``batched``) are sharded over their experts only, on either mesh dim
-        (expert parallelism: ``Shard(0)`` on the tensor dim): every rank holds whole experts
-        and orthogonalizes them where they are, sending nothing.
+        Matrices whose rows a rank holds whole (``holds_whole``: expert stacks, sharded over
+        their experts on either mesh dim) are worked on where they are, sending nothing.
+        Without a ``layout`` (SOAP's tensors), every tensor is gathered whole on every rank
+        and ``fn`` runs on each: exact whatever the placements, at the cost of the duplicated
+        work and an all-gather of every tensor; each rank keeps its own part of every result.
         """
-        layout, d = ns_kwargs["layout"], self.dp_rank
-        if layout.batched:
-            return self._orthogonalize_here(updates, ns_kwargs)
+        if layout is None:
+            return self._map_everywhere(tensors, fn)
+        if self.holds_whole(layout):
+            return self._map_here(tensors, fn, layout, observe)
+        updates = [ts[0] for ts in tensors]
+        d = self.dp_rank
         shapes = [_tp_local_shape(p, self.tp_size, self.tp_rank) for p in params]  # this tensor-parallel rank's blocks
+        wire = wire_dtype or updates[0].dtype
+        if wire_dtype is None:
+            for u in updates[1:]:
+                wire = torch.promote_types(wire, u.dtype)
 
         def compute(mine: list[int], whole: list[Tensor]) -> list[Tensor]:
             # Steps 1 and 3 run in exchange_with_owners; step 2 here, on the owners' blocks.
-            return self._orthogonalize_blocks(params, updates, mine, whole, ns_kwargs)
+            return self._work_on_blocks(params, mine, whole, fn, layout, observe)
 
         return exchange_with_owners(
             [self.local_shard(u) for u in updates],
             shapes,
             [self.plan.owners[self._index[id(p)]] for p in params],
             [u.dtype for u in updates],
-            self._wire_dtype(updates, ns_kwargs.get("ns_dtype")),
+            wire,
             self.dp_group,
             d,
             self.dp_size,
@@ -186,6 +205,20 @@ class MuonTPSharding(MuonFSDPSharding):
                 f"expected {expected} rows of its {shapes[i]} tensor-parallel block"
             ),
         )
+
+    def _map_everywhere(self, tensors: list[list[Tensor]], fn: WholeWork) -> list[list[Tensor]]:
+        out = []
+        for i, ts in enumerate(tensors):
+            (results,) = fn([i], [[t.full_tensor() if isinstance(t, DTensor) else t for t in ts]])
+            out.append(
+                [
+                    distribute_tensor(r, t.device_mesh, t.placements, src_data_rank=None).to_local()
+                    if isinstance(t, DTensor)
+                    else r
+                    for r, t in zip(results, ts)
+                ]
+            )
+        return out
 
     def _placed_like(self, local: Tensor, like: Tensor, layout: MatrixLayout) -> Tensor:
         if like.device_mesh.ndim == 1:  # the FSDP2 case: the piece has the matrix shape
@@ -199,77 +232,50 @@ class MuonTPSharding(MuonFSDPSharding):
             stride=like.stride(),
         )
 
-    @torch.no_grad()
-    def map_whole(
+    def _work_on_blocks(
         self,
         params: list[Tensor],
-        tensors: list[list[Tensor]],
-        fn: Callable[[int, list[Tensor]], list[Tensor]],
-    ) -> list[list[Tensor]]:
-        """``Sharding.map_whole`` on a 2-D mesh: every tensor gathered whole on every rank, ``fn`` on each.
-
-        Exact whatever the placements, at the cost of the duplicated work and an all-gather
-        of every tensor (the owner path of ``MuonFSDPSharding`` serves 1-D meshes); each rank
-        keeps its own part of every result, cut locally.
-        """
-        out = []
-        for i, ts in enumerate(tensors):
-            results = fn(i, [t.full_tensor() if isinstance(t, DTensor) else t for t in ts])
-            out.append(
-                [
-                    distribute_tensor(r, t.device_mesh, t.placements, src_data_rank=None).to_local()
-                    if isinstance(t, DTensor)
-                    else r
-                    for r, t in zip(results, ts)
-                ]
-            )
-        return out
-
-    def _orthogonalize_blocks(
-        self, params: list[Tensor], updates: list[Tensor], mine: list[int], whole: list[Tensor], ns_kwargs: dict
+        mine: list[int],
+        whole: list[Tensor],
+        fn: WholeWork,
+        layout: MatrixLayout,
+        observe: Observer | None,
     ) -> list[Tensor]:
         """Step 2 on the owner: each owned matrix's block of the result, shaped like its block."""
-        layout = ns_kwargs["layout"]
         # Per owned matrix: the dim the tensor dim splits (None: whole here) and the whole shape.
         lay = [_Layout(tp_split_dim(params[i]) if self.tp_size > 1 else None, tuple(params[i].shape)) for i in mine]
-        split = [entry.split for entry in lay]
         out: list[Tensor | None] = [None] * len(mine)
-        observed_full: dict[int, tuple[Tensor, Tensor]] = {}  # k -> (update, result), whole matrices
-        replicated = [k for k, s in enumerate(split) if s is None]
-        if replicated:  # whole here already: orthogonalized on every rank of the group
-            ortho = muon_orthogonalize(
-                [whole[k].view(_matrix_shape(whole[k].shape, layout)) for k in replicated], **ns_kwargs
-            )
-            for k, o in zip(replicated, ortho):
-                out[k] = o[0]
-                observed_full[k] = (whole[k], o[0])
-        split_ks = [k for k, s in enumerate(split) if s is not None]
-        # A matrix map (MOP's SVD, Sinkhorn) needs its matrix whole: "distributed" gathers it as "duplicated" does.
-        whole_map = isinstance(ns_kwargs.get("ns_method"), MatrixMap)
-        if split_ks:
-            if self.tp_mode == "duplicated" or (whole_map and self.tp_mode == "distributed"):
-                fulls = self._tp.gather(split_ks, lay, whole, dst=None)
-                ortho = muon_orthogonalize(fulls, **ns_kwargs)
-                for k, full, o in zip(split_ks, fulls, ortho):
-                    out[k] = _own_block(o[0], lay[k].split, self.tp_size, self.tp_rank)
-                    observed_full[k] = (full, o[0])
-            elif self.tp_mode == "distributed":
-                for k, res in self._tp.newton_schulz(split_ks, lay, whole, ns_kwargs).items():
-                    out[k] = res
-                if self.optimizer.has_update_hooks:  # gather for the spectra, only when asked
-                    fulls = self._tp.gather(split_ks, lay, whole, dst=0)
-                    results = self._tp.gather(split_ks, lay, out, dst=0)
-                    for k, full, res in zip(split_ks, fulls, results):
-                        observed_full[k] = (full, res)
-            else:
-                ortho = muon_orthogonalize([whole[k] for k in split_ks], **ns_kwargs)
-                for k, o in zip(split_ks, ortho):
-                    out[k] = o[0]
-        self._observe_owned(params, updates, mine, observed_full, bool(split_ks))
+        observed: dict[int, tuple[Tensor, Tensor]] = {}  # k -> (update, result), whole matrices
+        replicated = [k for k, entry in enumerate(lay) if entry.split is None]
+        if replicated:  # whole here already: worked on by every rank of the group
+            wholes = [[whole[k].view(_matrix_shape(whole[k].shape, layout))] for k in replicated]
+            for k, w, (result,) in zip(replicated, wholes, fn([mine[k] for k in replicated], wholes)):
+                out[k] = result
+                observed[k] = (w[0], result)
+        split_ks = [k for k, entry in enumerate(lay) if entry.split is not None]
+        # Only Newton-Schulz iterates on blocks; other work needs its matrix whole, as "duplicated" has it.
+        on_blocks = isinstance(fn, NewtonSchulzWork) and self.tp_mode == "distributed"
+        if split_ks and self.tp_mode != "blockwise" and not on_blocks:
+            fulls = self._tp.gather(split_ks, lay, whole, dst=None)
+            for k, full, (result,) in zip(split_ks, fulls, fn([mine[k] for k in split_ks], [[f] for f in fulls])):
+                out[k] = _own_block(result, lay[k].split, self.tp_size, self.tp_rank)
+                observed[k] = (full, result)
+        elif split_ks and on_blocks:
+            for k, res in self._tp.newton_schulz(split_ks, lay, whole, fn.ns_kwargs).items():
+                out[k] = res
+            if observe is not None:  # gathered for the hooks, only when they watch
+                fulls = self._tp.gather(split_ks, lay, whole, dst=0)
+                results = self._tp.gather(split_ks, lay, out, dst=0)
+                for k, full, res in zip(split_ks, fulls, results):
+                    observed[k] = (full, res)
+        elif split_ks:  # blockwise: each block alone
+            for k, (result,) in zip(split_ks, fn([mine[k] for k in split_ks], [[whole[k]] for k in split_ks])):
+                out[k] = result
+        self._observe_owned(mine, observed, bool(split_ks), observe)
         return out  # type: ignore[return-value]
 
-    def _observe_owned(self, params, updates, mine, observed_full, has_split) -> None:
-        if not self.optimizer.has_update_hooks or not self.observing:
+    def _observe_owned(self, mine, observed, has_split, observe: Observer | None) -> None:
+        if observe is None:
             return
         if self.tp_mode == "blockwise" and has_split and not self._warned_observer:
             self._warned_observer = True
@@ -278,18 +284,10 @@ class MuonTPSharding(MuonFSDPSharding):
                 RuntimeWarning,
                 stacklevel=6,  # the caller of orthogonalize, through exchange_with_owners
             )
-        if self.tp_rank != 0 or not observed_full:
+        if self.tp_rank != 0 or not observed:
             return  # each matrix once: on tensor-parallel rank 0 of its owners
-        ks = sorted(observed_full)
-        first = params[mine[ks[0]]]
-        group = next(g for g in self.optimizer.param_groups if any(q is first for q in g["params"]))
-        dtypes = [updates[mine[k]].dtype for k in ks]
-        self.optimizer.run_update_hooks(
-            group,
-            [params[mine[k]] for k in ks],
-            [observed_full[k][0].reshape(params[mine[k]].shape).to(dt) for k, dt in zip(ks, dtypes)],
-            [[observed_full[k][1].to(dt)] for k, dt in zip(ks, dtypes)],
-        )
+        ks = sorted(observed)
+        observe([mine[k] for k in ks], [[observed[k][0]] for k in ks], [[observed[k][1]] for k in ks])
 
 
 def _check_tp_group(g: dict, where: str, params: list[Tensor]) -> None:
@@ -308,7 +306,7 @@ def _check_tp_param(p: Tensor, group: dict, where: str) -> None:
     layout = layout_of(group)
     if layout.blocks is not None:
         raise ValueError(blocks_refused("MuonTPSharding", where, layout))
-    if layout.split_sizes is not None and not layout.batched:
+    if layout.split_sizes is not None and not layout.row_blocks_hold_whole_matrices:
         raise ValueError(
             f"MuonTPSharding: {where}: split_sizes {layout.split_sizes} are not supported on a tensor-parallel "
             "mesh (only expert stacks may be split); route the tensor without a split (MuonConfig split_qkv=False)"
@@ -337,7 +335,7 @@ def _check_tp_param(p: Tensor, group: dict, where: str) -> None:
             f"MuonTPSharding: {where}: a parameter of shape {shape} placed {placements}; expected {expected} on "
             "the data dim (apply parallelize_module first, then fully_shard on the data-parallel mesh)"
         )
-    if layout.batched:
+    if layout.row_blocks_hold_whole_matrices:
         if split not in (None, 0) or p.ndim != 3:
             raise ValueError(
                 f"MuonTPSharding: {where}: an expert stack of shape {shape} placed {placements} must be 3-D and "
@@ -414,7 +412,9 @@ class _TensorDim(NamedTuple):
         (``tp_math.newton_schulz_on_shards``); blocks split along the short side are
         re-split first (``resplit``) and back after (``resplit_back``).
         """
-        schedule, norm = resolve_coefficients(ns_kwargs["ns_coefficients"], ns_kwargs["ns_steps"])
+        schedule, norm = resolve_coefficients(
+            ns_kwargs["ns_coefficients"], ns_kwargs["ns_steps"], ns_kwargs.get("ns_eps")
+        )
         work = resolve_ns_dtype(ns_kwargs["ns_dtype"], whole[ks[0]].device, whole[ks[0]].dtype)
         full_shape = {k: lay[k].shape for k in ks}
         # The wide form's blocks along its long side: (m, n_t) each.

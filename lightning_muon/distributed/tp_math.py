@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from lightning_muon.algorithms.families import TPMode
-from lightning_muon.newton_schulz import Normalization, ns_flops
+from lightning_muon.newton_schulz import FlooredNormalization, Normalization, ns_flops
 
 __all__ = [
     "TP_MODES",
@@ -76,7 +76,7 @@ def long_side_split(rows: int, cols: int, split_dim: int) -> bool:
 def newton_schulz_on_shards(
     shards: Sequence[Tensor],
     schedule: Sequence[tuple[float, float, float]],
-    norm: Normalization,
+    norm: Normalization | FlooredNormalization,
     all_reduce: Callable[[Tensor], Tensor],
 ) -> list[Tensor]:
     """Newton-Schulz on column blocks of wide matrices; returns the blocks of the result.
@@ -86,7 +86,8 @@ def newton_schulz_on_shards(
             long side, in the dtype to iterate in. A rank passes its one block; a one-process
             simulation passes every block.
         schedule: ``(a, b, c)`` per step (``resolve_coefficients``).
-        norm: the pre-scaling of the schedule (``X / (||X||_F * safety + eps)``).
+        norm: the pre-scaling of the schedule (``X / (||X||_F * safety + eps)``; with ``ns_eps`` a floor,
+            ``FlooredNormalization``).
         all_reduce: sums a tensor over the ranks holding the other blocks, in place, and
             returns it; the identity when ``shards`` are all the blocks.
 
@@ -107,7 +108,7 @@ def newton_schulz_on_shards(
     for s in shards:
         sq += s.to(acc).square().sum(dim=(-2, -1))
     fro = all_reduce(sq).sqrt().to(work).to(acc).view(K, 1, 1)
-    scale = fro.mul_(norm.safety).add_(norm.eps).to(work)
+    scale = norm.divisor_(fro).to(work)
     X = [s.div(scale) for s in shards]  # (K, m, n_j) each
     for a, b, c in schedule:
         A = torch.bmm(X[0], X[0].mT)  # (K, m, m) partial Gram matrix

@@ -38,6 +38,7 @@ that algorithm's lr), under its own name or none, with the route's algorithm and
 
 from __future__ import annotations
 
+import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
@@ -45,7 +46,7 @@ from typing import Any
 from torch import Tensor, nn
 
 from lightning_muon.algorithms import algorithm_names
-from lightning_muon.routing.param_groups import as_groups, option_names
+from lightning_muon.routing.param_groups import as_groups, option_names, params_of_pairs
 
 __all__ = ["ModuleRouter", "Router", "flat_router", "split_added_group"]
 
@@ -113,6 +114,7 @@ def split_added_group(
     groups: list[dict[str, Any]],
     defaults: Callable[[str], dict[str, Any]],
     router: Router | None = None,
+    explain_lr: bool = False,
 ) -> list[dict[str, Any]]:
     """The param groups ``param_group`` (given without ``"algorithm"``) becomes; see the module docstring.
 
@@ -123,6 +125,8 @@ def split_added_group(
         defaults: the optimizer's starting values of an algorithm's groups (``Muon.group_defaults``,
             with ``"lr"``).
         router: where each tensor goes; None: ``flat_router``.
+        explain_lr: warn (once per process) when a split group's own lr reaches a part scaled (the groups given
+            to ``Muon(...)``, where a torch user reads a group's lr as the lr of all its tensors).
 
     Returns:
         Groups, each with an ``"algorithm"``, for the optimizer's ``add_param_group``.
@@ -135,8 +139,8 @@ def split_added_group(
     params = group["params"]
     params = [params] if isinstance(params, Tensor) else list(params)
     names: list[str | None] = [None] * len(params)
-    if params and isinstance(params[0], tuple):
-        names, params = [n for n, _ in params], [p for _, p in params]
+    if any(isinstance(p, tuple) for p in params):
+        names, params = [n for n, _ in params_of_pairs(params)], [p for _, p in params]
     names = list(group.get("param_names", names))
     where = f"param group {len(groups)}" + (f" ({group['name']!r})" if "name" in group else "")
     if not params:  # nothing to route: an empty AdamW group, as a group of no matrices
@@ -169,6 +173,8 @@ def split_added_group(
         _name_params(part, route["param_names"], part["name"], groups)
         _scale_lrs(part, route, group, groups, defaults, where)
         parts.append(part)
+    if explain_lr and "lr" in group:
+        _explain_scaled_lr(group["lr"], parts, where)
     unused = sorted(set(options) - taken)
     if unused:
         split = sorted({r["algorithm"] for r in routes})
@@ -191,6 +197,26 @@ def _name_params(part: dict[str, Any], names: list[str | None], label: str, grou
             part["param_names"] = list(names)
     elif "param_names" in groups[0]:
         part["param_names"] = [f"{label}.{j}" if n is None else n for j, n in enumerate(names)]
+
+
+_explained_lr = False
+
+
+def _explain_scaled_lr(given: Any, parts: list[dict[str, Any]], where: str) -> None:
+    """Warn once per process that a split group's lr did not reach every part as given (module docstring)."""
+    global _explained_lr
+    scaled = [p for p in parts if p.get("lr") != given]
+    if _explained_lr or not scaled:
+        return
+    _explained_lr = True
+    steps = ", ".join(f"its {p['algorithm']} part ({p['name']}) at lr {p['lr']:.6g}" for p in scaled)
+    warnings.warn(
+        f"{where}: its lr {given!r} mixes algorithms, and is read on the scale of the first param group (Muon's lr "
+        f"while there is none): {steps}, so that each part keeps the ratio of the optimizer's lrs. To set a part's "
+        "lr yourself, give its tensors their own group with 'algorithm' and 'lr'",
+        UserWarning,
+        stacklevel=7,  # the Muon(...) call: Muon.__init__, _setup, Optimizer.__init__, add_param_group, here
+    )
 
 
 def _scale_lrs(

@@ -27,19 +27,17 @@ def check_checkpoint_routing(param_groups: list[dict[str, Any]], state_dict: dic
     every saved tensor must have its parameter's shape. Without names (an older or
     hand-made checkpoint) positions are trusted, with a warning, once per process.
     """
-    global _warned_unnamed
     saved_groups = state_dict.get("param_groups", [])
-    if len(saved_groups) == len(param_groups) and all("param_names" in g for g in saved_groups):
+    named_then = all("param_names" in g for g in saved_groups)
+    named_now = all("param_names" in g for g in param_groups)
+    if len(saved_groups) == len(param_groups) and named_then and named_now:
         _check_routing(param_groups, saved_groups, state_dict.get("state", {}))
         return
-    named_now = all("param_names" in g for g in param_groups)
-    if named_now and not all("param_names" in g for g in saved_groups) and not _warned_unnamed:
-        _warned_unnamed = True  # every resume of such a run says the same
-        warnings.warn(
-            "Muon.load_state_dict: the checkpoint's param groups carry no param_names, so its state is "
-            "matched to parameters by position only (as torch.optim does)",
-            RuntimeWarning,
-            stacklevel=3,
+    if named_now != named_then:
+        unnamed = "the checkpoint's param groups carry" if named_now else "this optimizer's parameters have"
+        _warn_once(
+            f"Muon.load_state_dict: {unnamed} no param_names, so the routing could not be checked by name and "
+            "the state is matched to parameters by position only (as torch.optim does); shapes are still checked"
         )
     if len(saved_groups) != len(param_groups):
         raise ValueError(
@@ -48,6 +46,15 @@ def check_checkpoint_routing(param_groups: list[dict[str, Any]], state_dict: dic
             f"{len(param_groups)} ({[g.get('name', g['algorithm']) for g in param_groups]}): "
             "the routing changed since it was saved; resume with the rules it was saved with"
         )
+    for i, (group, saved) in enumerate(zip(param_groups, saved_groups)):
+        _check_shapes(i, group, saved, state_dict.get("state", {}))
+
+
+def _warn_once(message: str) -> None:
+    global _warned_unnamed
+    if not _warned_unnamed:
+        _warned_unnamed = True  # every resume of such a run says the same
+        warnings.warn(message, RuntimeWarning, stacklevel=4)
 
 
 def _check_routing(param_groups: list[dict], saved_groups: list[dict], saved_state: dict) -> None:
@@ -59,26 +66,31 @@ def _check_routing(param_groups: list[dict], saved_groups: list[dict], saved_sta
         }
 
     then, now = where(saved_groups), where(param_groups)
-    for i, group in enumerate(param_groups):
-        saved = saved_groups[i]
-        names = group.get("param_names") or [None] * len(group["params"])
-        for j, (name, p) in enumerate(zip(names, group["params"])):
-            here = f"{name!r}" if name else f"parameter {j} of param group {i}"
-            if name is not None and then.get(name) != now[name]:
+    for i, (group, saved) in enumerate(zip(param_groups, saved_groups)):
+        for name in group["param_names"]:
+            if then.get(name) != now[name]:
                 before = then.get(name)
                 was = "absent" if before is None else f"param group {before[0]} {before[2]!r} ({before[3]})"
                 raise ValueError(
-                    f"Muon.load_state_dict: {here} was routed to {was} when the checkpoint was saved, and "
+                    f"Muon.load_state_dict: {name!r} was routed to {was} when the checkpoint was saved, and "
                     f"to param group {i} {now[name][2]!r} ({now[name][3]}) now; its optimizer state would "
                     "land on another parameter. Resume with the routing rules the checkpoint was saved with "
                     "(or load only the model weights)"
                 )
-            if j >= len(saved["params"]):
-                continue
-            for key, value in saved_state.get(saved["params"][j], {}).items():
-                if key in _PARAM_SHAPED and isinstance(value, Tensor) and tuple(value.shape) != tuple(p.shape):
-                    raise ValueError(
-                        f"Muon.load_state_dict: {here} has shape {tuple(p.shape)}, but the checkpoint's "
-                        f"{key!r} for it has shape {tuple(value.shape)}: the model or its routing changed "
-                        "since the checkpoint was saved"
-                    )
+        _check_shapes(i, group, saved, saved_state)
+
+
+def _check_shapes(i: int, group: dict, saved: dict, saved_state: dict) -> None:
+    """Every saved tensor shaped like its parameter has the shape of the parameter at its place now."""
+    names = group.get("param_names") or [None] * len(group["params"])
+    for j, (name, p) in enumerate(zip(names, group["params"])):
+        if j >= len(saved["params"]):
+            break
+        here = f"{name!r}" if name else f"parameter {j} of param group {i}"
+        for key, value in saved_state.get(saved["params"][j], {}).items():
+            if key in _PARAM_SHAPED and isinstance(value, Tensor) and tuple(value.shape) != tuple(p.shape):
+                raise ValueError(
+                    f"Muon.load_state_dict: {here} has shape {tuple(p.shape)}, but the checkpoint's "
+                    f"{key!r} for it has shape {tuple(value.shape)}: the model or its routing changed "
+                    "since the checkpoint was saved"
+                )

@@ -17,7 +17,21 @@ from torch import Tensor
 
 from lightning_muon.algorithms import Algorithm, get_algorithm
 
-__all__ = ["algorithm_of", "as_groups", "group_label", "option_names", "split_named_params"]
+__all__ = ["algorithm_of", "as_groups", "group_label", "option_names", "params_of_pairs", "split_named_params"]
+
+
+# torch.optim's rule: a name for every parameter or for none (the names check a checkpoint's routing).
+_MIXED_NAMES = (
+    "params mixes (name, tensor) pairs with bare tensors: name every parameter (model.named_parameters()) or none"
+)
+
+
+def params_of_pairs(params: list[Any]) -> list[tuple[str, Any]]:
+    """``params`` given as (name, tensor) pairs, checked: a name for every parameter or for none, as torch.optim
+    requires (the names are what a checkpoint's routing is checked by)."""
+    if not all(isinstance(p, tuple) and len(p) == 2 and isinstance(p[0], str) for p in params):
+        raise ValueError(_MIXED_NAMES)
+    return params
 
 
 def option_names(algorithm: str) -> frozenset[str]:
@@ -35,8 +49,8 @@ def split_named_params(param_group: dict[str, Any]) -> tuple[dict[str, Any], lis
     group = dict(param_group)
     params = group["params"]
     params = [params] if isinstance(params, Tensor) else list(params)
-    if params and isinstance(params[0], tuple):
-        group.setdefault("param_names", [n for n, _ in params])
+    if any(isinstance(p, tuple) for p in params):
+        group.setdefault("param_names", [n for n, _ in params_of_pairs(params)])
         params = [p for _, p in params]
     group["params"] = params
     return group, params
@@ -66,7 +80,7 @@ def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
         return items
     if any(isinstance(item, dict) for item in items):
         raise ValueError("params mixes dicts with tensors; pass one kind")
-    named = [item if isinstance(item, tuple) else (None, item) for item in items]
+    named = params_of_pairs(items) if any(isinstance(item, tuple) for item in items) else [(None, p) for p in items]
     for name, p in named:
         if not isinstance(p, Tensor):
             raise TypeError(f"params must hold tensors, got {type(p).__name__} for {name or 'an item'}")
