@@ -238,16 +238,22 @@ ALIAS_VALUES = {
     "eps": (AdaptiveMuonSettings, 1.0, "second_moment_eps", 1.0),  # above the moments: it shows
     "adjust_lr_fn": (MuonSettings, "match_rms_adamw", "adjust_lr", "match_rms_adamw"),
 }
+# An alias whose name another algorithm's alias takes too: torch.optim.Muon's eps, on "muon" only.
+SHARED_NAME_VALUES = {
+    "eps": (MuonSettings, 10.0, "ns_eps", 10.0),  # above the momentum's norm: Newton-Schulz's input stays small
+}
+ALIAS_CASES = [(name, *case) for table in (ALIAS_VALUES, SHARED_NAME_VALUES) for name, case in table.items()]
 
 
 def test_every_alias_is_tested():
-    assert set(ALIAS_VALUES) == {a.name for a in ALIASES}
+    assert {(name, field) for name, _, _, field, _ in ALIAS_CASES} == {(a.name, a.field) for a in ALIASES}
 
 
-@pytest.mark.parametrize("alias", sorted(ALIAS_VALUES))
-def test_every_alias_sets_its_field_and_steps_the_same(alias):
+@pytest.mark.parametrize(
+    ("alias", "cls", "value", "field", "canonical"), ALIAS_CASES, ids=[f"{c[0]}-{c[1].algorithm}" for c in ALIAS_CASES]
+)
+def test_every_alias_sets_its_field_and_steps_the_same(alias, cls, value, field, canonical):
     """The alias gives the settings its field gives, unlike the defaults; in a param group it steps the same."""
-    cls, value, field, canonical = ALIAS_VALUES[alias]
     assert settings_from(cls, {alias: value}, "test") == cls(**{field: canonical}) != cls()
     torch.manual_seed(0)
     w0 = torch.randn(6, 10, dtype=torch.float64)

@@ -52,13 +52,17 @@ def test_muon_keywords_are_muon_and_adamw_settings_and_the_state_settings():
             name = prefix + f.name
             assert name in parameters and name in hints, name
             assert parameters[name].default == getattr(defaults, f.name), name
-    torch_names = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients")  # torch.optim.Muon's order
-    assert list(parameters)[1:6] == list(torch_names)
+    # torch.optim.Muon's arguments first, in its order (a drop-in), each positional; ours keyword-only after them.
+    torch_names = ("lr", "weight_decay", "momentum", "nesterov", "ns_coefficients", "eps", "ns_steps", "adjust_lr_fn")
+    assert list(inspect.signature(torch.optim.Muon).parameters)[1:] == list(torch_names)
+    assert list(parameters)[1:9] == list(torch_names)
+    assert all(p.kind is p.POSITIONAL_OR_KEYWORD for p in list(parameters.values())[:9])
+    assert all(p.kind is p.KEYWORD_ONLY for p in list(parameters.values())[9:])
     own = {f.name for f in dataclasses.fields(MuonSettings)} | {
         "adamw_" + f.name for f in dataclasses.fields(AdamWSettings)
     }
     extra = set(parameters) - own - {f.name for f in dataclasses.fields(StateSettings)} - {"self", "params"}
-    assert extra == {"settings", "adjust_lr_fn"}
+    assert extra == {"settings", "eps", "adjust_lr_fn"}  # torch.optim.Muon's names for ns_eps and adjust_lr
 
 
 def test_every_setting_has_a_doc_and_a_check():
@@ -280,8 +284,12 @@ def test_jsonargparse_reads_it_as_class_arguments_and_takes_overrides():
     _check_parsed(instantiate(parser, parser.parse_string(YAML)).muon)
     config = instantiate(parser, parser.parse_args(["--muon.matrix.init_args.lr=0.07"], defaults=True)).muon
     assert config.matrix.lr == 0.07
+    # Switching the class keeps what the classes share (jsonargparse's rule, Muon's defaults included) and drops
+    # what the new class fixes itself (Scion's weight_decay of 1: no argument of ScionSettings).
     scion = instantiate(parser, parser.parse_args(["--muon.matrix=ScionSettings", "--muon.matrix.spectral_radius=2"]))
-    assert scion.muon.matrix == ScionSettings(spectral_radius=2.0)
+    shared = {k: v for k, v in MuonSettings().arguments().items() if k in ScionSettings.field_names()}
+    assert scion.muon.matrix == ScionSettings(**shared, spectral_radius=2.0)
+    assert scion.muon.matrix.weight_decay == 1.0 and scion.muon.matrix.nesterov is False
 
 
 def test_jsonargparse_rejects_a_bad_value_with_the_field_name():

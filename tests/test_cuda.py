@@ -90,6 +90,51 @@ def test_muon_step_on_cuda_never_syncs_with_the_host():
     assert all(bool(p.isfinite().all()) for p in params)
 
 
+def test_a_compiled_step_on_cuda_checks_gradients_without_a_sync_and_equals_eager():
+    """Under torch.compile the default step (nonfinite="raise") has no graph break and no host sync: the check is
+    decided on the GPU; a NaN gradient's step applies nothing and the next eager step raises naming it."""
+    import torch._dynamo
+
+    torch._dynamo.reset()
+    eager_params, params = _hybrid("cuda"), _hybrid("cuda")
+    opts = []
+    for ps in (eager_params, params):
+        groups = [{"params": ps[:4], "algorithm": "muon"}, {"params": ps[4:], "algorithm": "adamw"}]
+        opts.append(Muon(groups, lr=0.02, weight_decay=0.1, ns_dtype="float32", adamw_lr=1e-3))
+    eager, opt = opts
+    torch.backends.cuda.matmul.allow_tf32 = False
+    for ps, o in ((eager_params, eager), (params, opt)):
+        _grads(ps, 2)
+        o.step()  # the first step makes the state (checked on the host)
+    _grads(params, 3)
+    explained = torch._dynamo.explain(opt.step)()
+    assert explained.graph_break_count == 0, [r.reason.splitlines()[0] for r in explained.break_reasons]
+    step = torch.compile(opt.step)
+    for seed in (3, 4, 5):
+        _grads(eager_params, seed)
+        eager.step()
+        _grads(params, seed)
+        step()  # the first call compiles
+    _grads(params, 6)
+    torch.cuda.synchronize()
+    torch.cuda.set_sync_debug_mode("error")
+    try:
+        step()
+    finally:
+        torch.cuda.set_sync_debug_mode(0)
+    _grads(eager_params, 6)
+    eager.step()
+    for a, b in zip(params, eager_params):
+        torch.testing.assert_close(a, b, rtol=1e-5, atol=1e-6)
+    before = [p.detach().clone() for p in params]
+    _grads(params, 7)
+    params[1].grad[0, 0] = float("nan")
+    step()
+    assert all(torch.equal(a, p) for a, p in zip(before, params))
+    with pytest.raises(FloatingPointError, match="parameter 1 of shape \\(32, 32\\) in a compiled step"):
+        opt.step()
+
+
 def test_muon_step_on_cuda_equals_cpu_in_float32():
     """fp32 Newton-Schulz on GPU and CPU: the same update up to kernel rounding."""
     on_gpu, on_cpu = _hybrid("cuda"), _hybrid("cpu")

@@ -145,3 +145,37 @@ def test_the_checks_above_can_fail(tmp_path):
         r"\(Emerging-Optimizers' name for ns_coefficients\) and ns_coefficients='keller' disagree",
     ):
         _check_muon_config(clash, "page.md:1")
+
+
+def _architecture_mismatch(text: str, root: Path) -> tuple[list[str], list[str]]:
+    """The file table of docs/architecture.md against the tree under ``root``: (paths it names that do not exist,
+    modules it does not name). A module counts as named by its path, or by its file name on a line that names its
+    folder (``lightning_muon/strategies/ddp_core.py, fsdp_core.py``); a package's ``__init__.py`` needs no line."""
+    stale = [
+        t
+        for t in re.findall(r"[\w./]+\.py", text)
+        if "/" in t and not ((root / t).exists() or (root / "lightning_muon" / t).exists())
+    ]
+    lines = text.splitlines()
+    missing = []
+    for module in sorted([*root.glob("lightning_muon/**/*.py"), *root.glob("lightning_muon_demo/**/*.py")]):
+        rel = module.relative_to(root).as_posix()
+        if module.name == "__init__.py" and module.parent.name != "lightning_muon" or rel in text:
+            continue
+        folder = module.parent.relative_to(root).as_posix() + "/"
+        if not any(folder in line and re.search(rf"\b{re.escape(module.name)}\b", line) for line in lines):
+            missing.append(rel)
+    return stale, missing
+
+
+def test_the_architecture_page_names_every_module_and_only_modules_that_exist(tmp_path):
+    stale, missing = _architecture_mismatch((ROOT / "docs" / "architecture.md").read_text(), ROOT)
+    assert stale == [] and missing == [], f"docs/architecture.md: stale {stale}, unnamed {missing}"
+    # The check can fail both ways.
+    (tmp_path / "lightning_muon" / "sub").mkdir(parents=True)
+    (tmp_path / "lightning_muon" / "sub" / "new.py").write_text("")
+    (tmp_path / "lightning_muon" / "sub" / "__init__.py").write_text("")
+    assert _architecture_mismatch("lightning_muon/gone.py  a module\n", tmp_path) == (
+        ["lightning_muon/gone.py"],
+        ["lightning_muon/sub/new.py"],
+    )

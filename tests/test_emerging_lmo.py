@@ -319,20 +319,20 @@ EO_CONSTRUCTORS = {
                 fp32_matmul_prec="highest", scale_mode="nuclear_norm", extra_scale_factor=1.0),
 }  # fmt: skip
 # The same defaults in our names; what a constructor fixes (Scion: decay 1, decoupled, no Nesterov, its
-# unit_rms_norm scale; PolarGrad: no scale by shape) and our own settings (ns_dtype, ns_method, tp_mode).
+# unit_rms_norm scale; PolarGrad: no scale by shape) and our own settings (ns_dtype, ns_method, tp_mode, ns_eps).
 OUR_DEFAULTS = {
     "scion": (
         ScionSettings,
         dict(lr=3e-4, momentum=0.95, fp32_matmul_prec="medium", ns_coefficients="you", ns_steps=5,
              spectral_radius=1.0, weight_decay=1.0, weight_decay_method="decoupled", nesterov=False,
              adjust_lr="spectral_norm", extra_scale_factor=1.0, ns_dtype=None, ns_method="standard",
-             tp_mode="duplicated"),
+             tp_mode="duplicated", ns_eps=None),
     ),
     "polargrad": (
         PolarGradSettings,
         dict(lr=3e-4, momentum=0.95, weight_decay=0.01, nesterov=False, weight_decay_method="decoupled",
              fp32_matmul_prec="highest", ns_coefficients="you", ns_steps=5, extra_scale_factor=1.0,
-             adjust_lr="none", ns_dtype=None, ns_method="standard", tp_mode="duplicated"),
+             adjust_lr="none", ns_dtype=None, ns_method="standard", tp_mode="duplicated", ns_eps=None),
     ),
     "mop": (
         MOPSettings,

@@ -1,7 +1,7 @@
 """Spel and Sinkhorn-Muon (``"spel"``, ``"sinkhorn_muon"`` groups): each against a float64 reference, its checks.
 
 Under FSDP2 (``MuonFSDPSharding``, Shard(0) row blocks: the owner gathers a weight whole to
-project or map it) and DDP (``MuonSharding``: owners hold whole weights) on 2 gloo ranks, both
+project or map it) and DDP (``MuonDDPSharding``: owners hold whole weights) on 2 gloo ranks, both
 equal one process. The references are written here from the formulas (Emerging-Optimizers 0.3.0's ``Spel`` and
 ``SinkhornMuon``), with its quintic coefficients spelled out, so that the mapping of
 ``coefficient_type="quintic"`` onto our schedules (our default "you"; the alias, cycled past 5
@@ -303,6 +303,7 @@ OUR_SHARED = dict(
     ns_dtype=None,
     ns_method="standard",
     tp_mode="duplicated",
+    ns_eps=None,
 )
 OUR_DEFAULTS = {
     "spel": (SpelSettings, {**OUR_SHARED, "weight_decay": 0.1, "adjust_lr": "none", "extra_scale_factor": 1.0}),
@@ -410,8 +411,8 @@ def _sharded_run(rank: int, world: int) -> dict:
     from torch.distributed.device_mesh import init_device_mesh
     from torch.distributed.tensor import Shard, distribute_tensor
 
+    from lightning_muon.distributed.ddp import MuonDDPSharding
     from lightning_muon.distributed.fsdp import MuonFSDPSharding
-    from lightning_muon.distributed.sharded import MuonSharding
 
     mesh = init_device_mesh("cpu", (world,)) if world > 1 else None
     out = {}
@@ -429,7 +430,7 @@ def _sharded_run(rank: int, world: int) -> dict:
             if "experts" in params:
                 groups.append({"params": [params["experts"]], "batched": True, **hp})
             opt = Muon(groups)
-            sharding = None if mesh is None else MuonFSDPSharding(opt) if fsdp else MuonSharding(opt)
+            sharding = None if mesh is None else MuonFSDPSharding(opt) if fsdp else MuonDDPSharding(opt)
             for _ in range(3):
                 for n, p in params.items():
                     p.grad = place(torch.randn(shapes[n], generator=gen, dtype=torch.float64))

@@ -562,9 +562,9 @@ def test_output_dtype_is_input_dtype(input_dtype, ns_dtype):
 @pytest.fixture
 def fresh_cpu_check(detect):
     """Clear the cached CPU capability answer before and after, so no fake answer leaks."""
-    ns._cpu_has_fast_bf16.cache_clear()
+    ns._HOST.clear()
     yield
-    ns._cpu_has_fast_bf16.cache_clear()
+    ns._HOST.clear()
 
 
 @pytest.mark.parametrize(
@@ -633,7 +633,8 @@ def test_bad_environment_variable_is_refused_by_name(monkeypatch, value):
         ({"coefficients": [(1.5, -0.5)]}, r"ns_coefficients must be a non-empty list of \(a, b, c\) tuples"),
         ({"coefficients": [(1.5, float("nan"), 0.0)]}, r"ns_coefficients must be finite numbers, got .*nan"),
         ({"coefficients": [(1.5, "x", 0.0)]}, r"ns_coefficients must be a name in .* got .*'x'"),
-        ({"coefficients": (3.4445, -4.775, 2.0315)}, r"ns_coefficients must be a name in .* or a list of"),
+        ({"coefficients": (3.4445, -4.775)}, r"ns_coefficients must be a name in .* or one \(a, b, c\), got \(3"),
+        ({"eps": 0.0}, r"ns_eps must be None or a finite number > 0, got 0\.0"),
         ({"dtype": "int8"}, r"ns_dtype must be None, a torch dtype or one of .* got 'int8'"),
         ({"dtype": torch.int32}, r"ns_dtype must be a floating torch dtype, got torch\.int32"),
     ],
