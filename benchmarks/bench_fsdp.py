@@ -58,6 +58,7 @@ from torch import Tensor
 import lightning_muon.functional as functional
 from lightning_muon import Muon, route_parameters
 from lightning_muon.distributed.fsdp import MuonFSDPSharding, _matrix_shape, shard_rows
+from lightning_muon.distributed.protocol import ns_wire_dtype
 from lightning_muon_demo.models import CharGPT
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_fsdp.json"
@@ -73,11 +74,13 @@ class GatherAllSharding(MuonFSDPSharding):
     """The baseline: every rank gathers every whole matrix (one all-gather) and orthogonalizes all of them."""
 
     @torch.no_grad()
-    def orthogonalize(self, params: list[Tensor], updates: list[Tensor], **ns_kwargs: Any) -> list[list[Tensor]]:
+    def orthogonalize(
+        self, params: list[Tensor], updates: list[Tensor], *, observe: bool = True, **ns_kwargs: Any
+    ) -> list[list[Tensor]]:
         W, layout = self.world_size, ns_kwargs["layout"]
         rows = [shard_rows(u.shape[0], W) for u in updates]
         pad = [max(r) for r in rows]  # every rank sends equal-sized (padded) pieces
-        wire = self._wire_dtype(updates, ns_kwargs.get("ns_dtype"))
+        wire = ns_wire_dtype(updates, ns_kwargs.get("ns_dtype")) or updates[0].dtype
         pieces = []
         for u, p in zip(updates, pad):
             local = self.local_shard(u).to(wire)
@@ -189,7 +192,7 @@ def _rank_main(rank: int, w: int, s: Settings) -> dict[str, Any]:
         "rank": rank,
         "numel": {"total": sum(p.numel() for p in runs["owner"][0].parameters()), "muon": muon_numel},
         "muon_matrices": len(owner.params),
-        "wire_dtype": str(owner._wire_dtype(owner.params, s.ns_dtype)).removeprefix("torch."),
+        "wire_dtype": str(_wire_dtype(owner, s.ns_dtype)).removeprefix("torch."),
         "plan": {"owners": list(owner.plan.owners), "loads": [owner.plan.load(r) for r in range(w)]},
         "expected_owner_bytes": _expected_owner_bytes(owner, rank, s.ns_dtype),
         "configs": {
@@ -216,9 +219,14 @@ def _rank_main(rank: int, w: int, s: Settings) -> dict[str, Any]:
     }
 
 
+def _wire_dtype(sharding: MuonFSDPSharding, ns_dtype: str | None) -> torch.dtype:
+    """The dtype the Muon matrices travel to their owners in: Newton-Schulz's where narrower, else their own."""
+    return ns_wire_dtype(sharding.params, ns_dtype) or sharding.params[0].dtype
+
+
 def _expected_owner_bytes(sharding: MuonFSDPSharding, rank: int, ns_dtype: str | None) -> float:
     """Bytes this rank sends per step in owner mode, from the plan: its rows of others' matrices, then theirs back."""
-    w, itemsize = sharding.world_size, sharding._wire_dtype(sharding.params, ns_dtype).itemsize
+    w, itemsize = sharding.world_size, _wire_dtype(sharding, ns_dtype).itemsize
     total = 0
     for p, owner in zip(sharding.params, sharding.plan.owners):
         rows, cols = shard_rows(p.shape[0], w), math.prod(p.shape[1:])

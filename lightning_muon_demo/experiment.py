@@ -166,7 +166,8 @@ class RunSpec:
         if "lr" in self.matrix_options:
             raise ValueError(f"matrix_options must not set 'lr': RunSpec.lr is the lr of {self.matrix_optimizer!r}")
         known = _setting_names(self.matrix_optimizer)
-        unknown = sorted(set(self.matrix_options) - known)
+        fixed = {f.name for f in dataclasses.fields(get_algorithm(self.matrix_optimizer).settings) if not f.init}
+        unknown = sorted(set(self.matrix_options) - known - fixed)  # a fixed one: the settings say it is fixed
         if unknown:
             raise ValueError(
                 f"matrix_options has keys {unknown} that {self.matrix_optimizer!r} does not take; its keys are "
