@@ -1,9 +1,12 @@
-"""Pure update rules behind ``Muon``: Muon momentum (EMA or sum), second moments (NorMuon,
-AdaMuon), apply (decoupled or cautious weight decay), AdamW, Lion.
+"""The math several algorithms share: Muon momentum (EMA or sum), Newton-Schulz over layouts, second moments
+(NorMuon, AdaMuon, NAMO), apply (decoupled or cautious weight decay, the scale by shape), and the widening of
+narrow state.
 
-The optimizer class collects tensors and state; these functions do the math on
-lists of tensors with ``torch._foreach_*`` kernels. The distributed strategies
-reuse the same pieces on whatever matrices their rank owns.
+The math of one algorithm alone lives as pure functions beside it, in its module (AdamW's in
+``algorithms/adamw.py``, Lion's, LaProp's, PolarGrad's, Sinkhorn-Knopp, Hyperball's, SOAP's in
+``algorithms/soap_math.py``). The algorithm classes collect tensors and state; these functions do
+the math on lists of tensors with ``torch._foreach_*`` kernels, and the distributed strategies
+reuse them on whatever matrices their rank owns.
 """
 
 from __future__ import annotations
@@ -27,11 +30,11 @@ __all__ = [
     "WEIGHT_DECAY_FACTORS",
     "MomentumForm",
     "SecondMoment",
-    "adamw_",
     "adjust_lr_ratio",
     "all_finite",
     "decay_weights_",
-    "lion_",
+    "foreach_pays",
+    "is_narrower",
     "map_matrices",
     "muon_apply_",
     "muon_momentum_",
@@ -42,6 +45,8 @@ __all__ = [
     "second_moment_buffer",
     "second_moment_shape",
     "stat_axis",
+    "store_widened",
+    "widened",
     "widening_chunks",
 ]
 
@@ -119,15 +124,15 @@ def muon_momentum_(
 
     A buffer stored narrower than its gradient (``exp_avg_dtype="bfloat16"``) is read into
     the gradient's dtype, updated and used there (the update is made from the unrounded
-    buffer), and rounded once on its way back (``_widen``, ``_store``).
+    buffer), and rounded once on its way back (``widened``, ``store_widened``).
     """
-    if _narrow(bufs, grads):
+    if is_narrower(bufs, grads):
         updates: list[Tensor] = []
         for part in widening_chunks(grads):
-            work = _widen(bufs[part], grads[part])
+            work = widened(bufs[part], grads[part])
             dtypes = None if out_dtypes is None else out_dtypes[part]
             updates += muon_momentum_(grads[part], work, momentum, nesterov, form, out_dtypes=dtypes)
-            _store(bufs[part], work)
+            store_widened(bufs[part], work)
         return updates
     if form == "sum":
         torch._foreach_mul_(bufs, momentum)
@@ -147,7 +152,7 @@ def muon_momentum_(
     # Out-of-place foreach ops run at half the speed of a loop on CPU (measured: 29 ms against
     # 14 ms for the Nesterov lerp of a d=384 x 6 GPT's matrices on 2 cores), so the update is
     # made tensor by tensor there; CUDA's foreach kernels batch the launches.
-    if grads and not _foreach_pays(grads[0]):
+    if grads and not foreach_pays(grads[0]):
         if form == "sum":
             return [g.add(b, alpha=momentum) for g, b in zip(grads, bufs)]
         return [g.lerp(b, momentum) for g, b in zip(grads, bufs)]
@@ -156,7 +161,7 @@ def muon_momentum_(
     return list(torch._foreach_lerp(grads, bufs, momentum))
 
 
-def _foreach_pays(t: Tensor) -> bool:
+def foreach_pays(t: Tensor) -> bool:
     """Whether an out-of-place foreach op beats a loop over tensors like ``t``: on a GPU, for plain tensors.
 
     DTensors go tensor by tensor: torch 2.11 registers no sharding rule for the out-of-place
@@ -171,7 +176,7 @@ def _foreach_pays(t: Tensor) -> bool:
 _WIDEN_ELEMENTS = 1 << 24
 
 
-def _narrow(bufs: Sequence[Tensor], like: Sequence[Tensor]) -> bool:
+def is_narrower(bufs: Sequence[Tensor], like: Sequence[Tensor]) -> bool:
     """Whether a buffer is stored in another dtype than its partner in ``like`` (a narrower state dtype)."""
     return any(b.dtype != t.dtype for b, t in zip(bufs, like))
 
@@ -190,12 +195,12 @@ def widening_chunks(tensors: Sequence[Tensor]) -> list[slice]:
     return out
 
 
-def _widen(bufs: Sequence[Tensor], like: Sequence[Tensor]) -> list[Tensor]:
+def widened(bufs: Sequence[Tensor], like: Sequence[Tensor]) -> list[Tensor]:
     """Each buffer in its partner's dtype: a copy where it is stored in another one, else itself."""
     return [b if b.dtype == t.dtype else b.to(t.dtype) for b, t in zip(bufs, like)]
 
 
-def _store(bufs: Sequence[Tensor], work: Sequence[Tensor]) -> None:
+def store_widened(bufs: Sequence[Tensor], work: Sequence[Tensor]) -> None:
     """Write the wider copies back into their buffers, rounding once (round to nearest even)."""
     for b, w in zip(bufs, work):
         if w is not b:
@@ -546,109 +551,3 @@ def muon_apply_(
             torch._foreach_add_(targets, deltas, alpha=scale)
     for p, contiguous in copied:
         p.copy_(contiguous)
-
-
-def adamw_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    steps: list[Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-    weight_decay: float,
-) -> None:
-    """AdamW (Loshchilov & Hutter, arXiv 1711.05101), op for op as torch.optim.AdamW's foreach path.
-
-    Moments stored narrower than their parameter (``exp_avg_dtype``, ``exp_avg_sq_dtype``)
-    are read into its dtype, updated and used there, and rounded once on their way back.
-    """
-    if _narrow(exp_avgs, params) or _narrow(exp_avg_sqs, params):
-        for part in widening_chunks(params):
-            avgs, sqs = _widen(exp_avgs[part], params[part]), _widen(exp_avg_sqs[part], params[part])
-            adamw_(
-                params[part], grads[part], avgs, sqs, steps[part],
-                lr=lr, beta1=beta1, beta2=beta2, eps=eps, weight_decay=weight_decay,
-            )  # fmt: skip
-            _store(exp_avgs[part], avgs)
-            _store(exp_avg_sqs[part], sqs)
-        return
-    torch._foreach_add_(steps, 1.0)
-    if weight_decay != 0.0:
-        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta1)
-    torch._foreach_mul_(exp_avg_sqs, beta2)
-    torch._foreach_addcmul_(exp_avg_sqs, grads, grads, 1.0 - beta2)
-    if torch.compiler.is_compiling():  # the bias corrections on the device: no sync, no graph break
-        _adamw_update_on_device(params, exp_avgs, exp_avg_sqs, steps, lr=lr, beta1=beta1, beta2=beta2, eps=eps)
-        return
-    counts = [s.item() for s in steps]
-    step_size = [(lr / (1.0 - beta1**n)) * -1.0 for n in counts]
-    bias_correction2_sqrt = [(1.0 - beta2**n) ** 0.5 for n in counts]
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, bias_correction2_sqrt)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_addcdiv_(params, exp_avgs, denom, step_size)
-
-
-def _adamw_update_on_device(
-    params: list[Tensor],
-    exp_avgs: list[Tensor],
-    exp_avg_sqs: list[Tensor],
-    steps: list[Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    eps: float,
-) -> None:
-    """``adamw_``'s update from its moments, with the step counts read on the device (the compiled step's form)."""
-    step_size = torch._foreach_pow(beta1, steps)  # beta1^n
-    torch._foreach_sub_(step_size, 1.0)  # -(1 - beta1^n)
-    torch._foreach_div_(step_size, lr)
-    torch._foreach_reciprocal_(step_size)  # -lr / (1 - beta1^n)
-    bias_correction2_sqrt = torch._foreach_pow(beta2, steps)
-    torch._foreach_neg_(bias_correction2_sqrt)
-    torch._foreach_add_(bias_correction2_sqrt, 1.0)
-    torch._foreach_sqrt_(bias_correction2_sqrt)  # sqrt(1 - beta2^n)
-    denom = torch._foreach_sqrt(exp_avg_sqs)
-    torch._foreach_div_(denom, bias_correction2_sqrt)
-    torch._foreach_add_(denom, eps)
-    torch._foreach_div_(denom, step_size)  # p + m / (denom / step_size) = p + step_size m / denom
-    torch._foreach_addcdiv_(params, exp_avgs, denom)
-
-
-def lion_(
-    params: list[Tensor],
-    grads: list[Tensor],
-    exp_avgs: list[Tensor],
-    *,
-    lr: float,
-    beta1: float,
-    beta2: float,
-    weight_decay: float,
-) -> None:
-    """Lion (Chen et al. 2023, arXiv 2302.06675) with decoupled weight decay.
-
-    ``W <- W (1 - lr wd) - lr sign(b1 m + (1 - b1) g)``, then ``m <- b2 m + (1 - b2) g``.
-    A momentum stored narrower than its parameter (``exp_avg_dtype``) is read into its dtype,
-    used and updated there, and rounded once on its way back.
-    """
-    if _narrow(exp_avgs, params):
-        for part in widening_chunks(params):
-            work = _widen(exp_avgs[part], params[part])
-            lion_(params[part], grads[part], work, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
-            _store(exp_avgs[part], work)
-        return
-    if weight_decay != 0.0:
-        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
-    if exp_avgs and _foreach_pays(exp_avgs[0]):
-        direction = list(torch._foreach_lerp(exp_avgs, grads, 1.0 - beta1))
-    else:
-        direction = [m.lerp(g, 1.0 - beta1) for m, g in zip(exp_avgs, grads)]
-    torch._foreach_sign_(direction)
-    torch._foreach_add_(params, direction, alpha=-lr)
-    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)

@@ -21,6 +21,7 @@ fastest safe dtype (``newton_schulz.resolve_ns_dtype``: bf16 where its matmul is
 
 from __future__ import annotations
 
+import typing
 from dataclasses import dataclass
 from typing import Any, ClassVar, Literal
 
@@ -31,6 +32,8 @@ from lightning_muon.functional import ADJUST_LR_MODES
 from lightning_muon.newton_schulz import NSMethod, check_ns_dtype, coefficient_list, dtype_name, resolve_coefficients
 
 __all__ = [
+    "SHAPE_SCALES",
+    "UNSIGNED_DECAY_METHODS",
     "AdamLikeSettings",
     "AdjustLR",
     "CoefficientName",
@@ -39,9 +42,8 @@ __all__ = [
     "NSDtype",
     "NewtonSchulzSettings",
     "OrthogonalizedSettings",
-    "SHAPE_SCALES",
-    "TPMode",
     "ScalarSettings",
+    "TPMode",
     "WeightDecayMethod",
     "checked_betas",
     "matmul_precision_of",
@@ -49,6 +51,8 @@ __all__ = [
 ]
 
 WeightDecayMethod = Literal["decoupled", "independent", "l2", "palm", "cautious"]
+# The methods of an algorithm whose update has no sign to agree with (SOAP, LaProp): all but "cautious".
+UNSIGNED_DECAY_METHODS = tuple(m for m in typing.get_args(WeightDecayMethod) if m != "cautious")
 FP32MatmulPrec = Literal["highest", "high", "medium"]
 # ``functional.ADJUST_LR_MODES``, and MOP's nuclear norm.
 AdjustLR = Literal["original", "match_rms_adamw", "spectral", "spectral_norm", "none", "nuclear_norm"]

@@ -18,11 +18,10 @@ from typing import Any, ClassVar
 import torch
 from torch import Tensor
 
-from lightning_muon.algorithms.adamw import adam_moments, momentum_readout
-from lightning_muon.algorithms.base import Algorithm, StepContext, group_lr, register_algorithm
-from lightning_muon.algorithms.families import AdamLikeSettings, WeightDecayMethod
+from lightning_muon.algorithms.adamw import AdamW
+from lightning_muon.algorithms.base import register_algorithm
+from lightning_muon.algorithms.families import UNSIGNED_DECAY_METHODS, AdamLikeSettings, WeightDecayMethod
 from lightning_muon.algorithms.settings import setting
-from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS
 from lightning_muon.functional import decay_weights_, widening_chunks
 
 __all__ = [
@@ -46,7 +45,7 @@ class LaPropSettings(AdamLikeSettings, algorithm="laprop", defaults={"lr": 1e-3,
     weight_decay_method: WeightDecayMethod = "decoupled"
     """"decoupled" W (1 - lr wd), "independent" W (1 - wd), "l2" g + wd W, "palm" W (1 - lr^2 wd)."""
 
-    choices: ClassVar[dict[str, tuple]] = {"weight_decay_method": ("decoupled", "independent", "l2", "palm")}
+    choices: ClassVar[dict[str, tuple]] = {"weight_decay_method": UNSIGNED_DECAY_METHODS}
 
 
 def laprop_(
@@ -113,7 +112,7 @@ def laprop_(
         p.mul_(before / torch.linalg.vector_norm(p).clamp_min(eps))
 
 
-class LaProp(Algorithm):
+class LaProp(AdamW):
     """``"laprop"``: LaProp, Adam's two moments with the momentum taken of the normalized gradient.
 
     Per parameter ``W`` with gradient ``g``, at step ``t`` (counted from 1), with
@@ -137,28 +136,11 @@ class LaProp(Algorithm):
 
     name = "laprop"
     settings = LaPropSettings
-    state_dtype_settings = frozenset(STATE_SETTINGS)
 
-    def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
-        momentum_readout(group)
+    rule = staticmethod(laprop_)
 
-    def step_group(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
-        """Step ``params`` with ``grads``; of ``ctx`` only ``state`` and ``config`` (the state dtypes) are used."""
-        beta1, beta2 = group["betas"]
-        momentum_readout(group)  # betas may have been changed since (a scheduler, a user)
-        laprop_(
-            params,
-            grads,
-            *adam_moments(ctx, params),
-            lr=group_lr(group),
-            beta1=beta1,
-            beta2=beta2,
-            eps=group["eps"],
-            weight_decay=group["weight_decay"],
-            weight_decay_method=group["weight_decay_method"],
-            correct_bias=group["correct_bias"],
-            frob_normalize=group["frob_normalize"],
-        )
+    def rule_options(self, group: dict[str, Any]) -> dict[str, Any]:
+        return {key: group[key] for key in ("weight_decay_method", "correct_bias", "frob_normalize")}
 
 
 LAPROP = register_algorithm(LaProp())

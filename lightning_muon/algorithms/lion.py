@@ -24,9 +24,42 @@ from lightning_muon.algorithms.adamw import momentum_readout
 from lightning_muon.algorithms.base import Algorithm, StepContext, group_lr, register_algorithm
 from lightning_muon.algorithms.families import Betas, ScalarSettings, checked_betas
 from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS, state_dtype
-from lightning_muon.functional import lion_
+from lightning_muon.functional import foreach_pays, is_narrower, store_widened, widened, widening_chunks
 
-__all__ = ["LION", "Lion", "LionSettings"]
+__all__ = ["LION", "Lion", "LionSettings", "lion_"]
+
+
+def lion_(
+    params: list[Tensor],
+    grads: list[Tensor],
+    exp_avgs: list[Tensor],
+    *,
+    lr: float,
+    beta1: float,
+    beta2: float,
+    weight_decay: float,
+) -> None:
+    """Lion (Chen et al. 2023, arXiv 2302.06675) with decoupled weight decay.
+
+    ``W <- W (1 - lr wd) - lr sign(b1 m + (1 - b1) g)``, then ``m <- b2 m + (1 - b2) g``.
+    A momentum stored narrower than its parameter (``exp_avg_dtype``) is read into its dtype,
+    used and updated there, and rounded once on its way back.
+    """
+    if is_narrower(exp_avgs, params):
+        for part in widening_chunks(params):
+            work = widened(exp_avgs[part], params[part])
+            lion_(params[part], grads[part], work, lr=lr, beta1=beta1, beta2=beta2, weight_decay=weight_decay)
+            store_widened(exp_avgs[part], work)
+        return
+    if weight_decay != 0.0:
+        torch._foreach_mul_(params, 1.0 - lr * weight_decay)
+    if exp_avgs and foreach_pays(exp_avgs[0]):
+        direction = list(torch._foreach_lerp(exp_avgs, grads, 1.0 - beta1))
+    else:
+        direction = [m.lerp(g, 1.0 - beta1) for m, g in zip(exp_avgs, grads)]
+    torch._foreach_sign_(direction)
+    torch._foreach_add_(params, direction, alpha=-lr)
+    torch._foreach_lerp_(exp_avgs, grads, 1.0 - beta2)
 
 
 @dataclass(frozen=True, kw_only=True)

@@ -24,10 +24,16 @@ from torch.distributed.tensor import DTensor, distribute_tensor
 
 from lightning_muon.algorithms.adamw import momentum_readout
 from lightning_muon.algorithms.base import Algorithm, StepContext, group_lr, register_algorithm
-from lightning_muon.algorithms.families import Betas, FP32MatmulPrec, MatrixSettings, checked_betas
+from lightning_muon.algorithms.families import (
+    UNSIGNED_DECAY_METHODS,
+    Betas,
+    FP32MatmulPrec,
+    MatrixSettings,
+    checked_betas,
+)
 from lightning_muon.algorithms.settings import setting
+from lightning_muon.algorithms.soap_math import SOAP_STATE_KEYS, init_soap_state, soap_update
 from lightning_muon.functional import decay_weights_
-from lightning_muon.soap_math import SOAP_STATE_KEYS, init_soap_state, soap_update
 
 __all__ = ["SOAP", "SOAPSettings", "SOAP_ALGORITHM", "ShampooSettings", "check_soap_params"]
 
@@ -55,7 +61,7 @@ class ShampooSettings(MatrixSettings, defaults={"lr": 3e-3, "weight_decay": 0.01
     """The settings of SOAP and REKLS: an inner Adam in the eigenbases of Shampoo's Kronecker factors. The lr
     (Emerging-Optimizers has no default) is the SOAP paper's reference implementation's."""
 
-    choices: ClassVar[dict[str, tuple]] = {"weight_decay_method": ("decoupled", "independent", "l2", "palm")}
+    choices: ClassVar[dict[str, tuple]] = {"weight_decay_method": UNSIGNED_DECAY_METHODS}
 
     betas: Betas = (0.9, 0.95)
     """(beta1, beta2) of the inner Adam, each in [0, 1)."""
