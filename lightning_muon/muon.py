@@ -369,10 +369,8 @@ class Muon(Optimizer):
             snapshot = self.finite_checks.snapshot(work)
             self._apply(work, algorithms)
             self.finite_checks.restore(snapshot)
-            return loss
-        if not self.finite_checks.grads_finite(work):
-            return loss
-        self._apply(work, algorithms)
+        elif self.finite_checks.grads_finite(work):
+            self._apply(work, algorithms)
         return loss
 
     def _apply(self, work: list, algorithms: dict[str, tuple[Algorithm, list[dict[str, Any]]]]) -> None:
