@@ -21,7 +21,7 @@ from torch import Tensor
 from torch.distributed.tensor import DTensor
 
 from lightning_muon.layout import MatrixLayout
-from lightning_muon.newton_schulz import orthogonalize_many
+from lightning_muon.newton_schulz import NSPlan, orthogonalize_many
 
 __all__ = [
     "ADJUST_LR_MODES",
@@ -91,13 +91,19 @@ def adjust_lr_ratio(mode: str, fan_out: int, fan_in: int, extra_scale_factor: fl
 def all_finite(tensors: Sequence[Tensor]) -> bool:
     """True when no tensor holds a NaN or an inf; one host sync.
 
-    Each tensor's min and max come from one pass (``aminmax``, which propagates NaN; +inf
-    shows in the max, -inf in the min). Measured on CPU at 20x faster than ``isfinite().all()``
-    or an inf-norm, which both make a full-size temporary or a slower reduction.
+    One foreach reduction over every tensor (their 2-norms, each in its tensor's dtype: a NaN or
+    an inf anywhere makes its tensor's norm non-finite), then one check of the norms. A norm
+    can also overflow from finite entries (magnitudes near 1e19 in float32 or bf16, 256 in
+    float16); only then each tensor is checked exactly (``isfinite``), so the answer is exact
+    either way.
     """
-    # torch.cat promotes mixed dtypes; no value is rounded to a narrower type on the way.
-    extremes = [torch.stack(torch.aminmax(t)).to(tensors[0].device) for t in tensors if t.numel()]
-    return not extremes or bool(torch.cat(extremes).isfinite().all())
+    tensors = [t for t in tensors if t.numel()]
+    if not tensors:
+        return True
+    norms = torch._foreach_norm(tensors, 2)
+    if bool(torch.stack(norms).isfinite().all()):
+        return True
+    return all(bool(t.isfinite().all()) for t in tensors)
 
 
 def muon_momentum_(
@@ -141,7 +147,7 @@ def muon_momentum_(
         torch._foreach_lerp_(bufs, grads, 1.0 - momentum)
     if not nesterov:
         return list(bufs)
-    if out_dtypes is not None:
+    if out_dtypes is not None and any(d != g.dtype for g, d in zip(grads, out_dtypes)):
         outs = [torch.empty_like(g, dtype=d, memory_format=torch.contiguous_format) for g, d in zip(grads, out_dtypes)]
         for g, b, out in zip(grads, bufs, outs):
             if form == "sum":
@@ -215,20 +221,24 @@ def muon_orthogonalize(
     ns_coefficients,
     ns_dtype,
     ns_method: str = "standard",
+    ns_eps: float | None = None,
     keep_work_dtype: bool = False,
     donate: bool = False,
     max_stack_bytes: int | None = None,
     multi_shapes: Collection[tuple[int, int]] = (),
-    ns_eps: float | None = None,
+    plan: NSPlan | None = None,
 ) -> list[list[Tensor]]:
     """Orthogonalize every matrix of every update (cut by ``layout``); returns, per update, its pieces.
 
-    ``keep_work_dtype``: leave the pieces in Newton-Schulz's dtype (see ``orthogonalize_many``).
-    ``max_stack_bytes``, ``multi_shapes``: how stacks are cut, and the shapes the step's other
-    calls hold more of (``orthogonalize_many``).
-    ``donate``: the updates are temporaries Newton-Schulz may overwrite (see ``muon_momentum_``);
-    the list ``updates`` is emptied, so that each is freed as soon as it is orthogonalized.
-    ``ns_eps``: the floor under the pre-scaling's norm (None: the schedule's own; ``orthogonalize``'s ``eps``).
+    ``ns_steps``, ``ns_coefficients``, ``ns_dtype``, ``ns_method``, ``ns_eps``: Newton-Schulz's
+    settings, as a group holds them (``orthogonalize_many``'s ``steps``, ...). ``plan``:
+    Newton-Schulz's plan of the pieces, made by the caller from the same shapes
+    (``plan_matrices``); None: made here. ``keep_work_dtype``: leave the
+    pieces in Newton-Schulz's dtype (see ``orthogonalize_many``). ``max_stack_bytes``,
+    ``multi_shapes``: how stacks are cut, and the shapes the step's other calls hold more of.
+    ``donate``: the updates are temporaries Newton-Schulz may overwrite (see
+    ``muon_momentum_``); the list ``updates`` is emptied, so that each is freed as soon as it is
+    orthogonalized.
     """
     pieces = [layout.views(u.contiguous()) for u in updates]
     counts = [len(ms) for ms in pieces]
@@ -240,8 +250,21 @@ def muon_orthogonalize(
         # the hidden matrices at the step's peak).
         updates.clear()
         del pieces
-    ns_args = (ns_steps, ns_coefficients, ns_dtype, ns_method)
-    ortho = iter(orthogonalize_many(flat, *ns_args, keep_work_dtype, donate, max_stack_bytes, multi_shapes, ns_eps))
+    ortho = iter(
+        orthogonalize_many(
+            flat,
+            ns_steps,
+            ns_coefficients,
+            ns_dtype,
+            ns_method,
+            keep_work_dtype=keep_work_dtype,
+            donate=donate,
+            max_stack_bytes=max_stack_bytes,
+            multi_shapes=multi_shapes,
+            eps=ns_eps,
+            plan=plan,
+        )
+    )
     return [[next(ortho) for _ in range(n)] for n in counts]
 
 
@@ -534,7 +557,7 @@ def muon_apply_(
             copied.append((p, p.contiguous()))
             p = copied[-1][1]
         for w, o in zip(layout.slots(p), pieces):
-            scale = -lr * adjust_lr_ratio(adjust_lr, *layout.fans(*o.shape[-2:]), extra_scale_factor)
+            scale = -lr * (ADJUST_LR_MODES[adjust_lr](*layout.fans(*o.shape[-2:])) * extra_scale_factor)
             o = o.reshape(w.shape)  # the piece laid out like its slot (a no-op but for grouped splits)
             if cautious:
                 w.mul_(torch.ones_like(w).masked_fill_(o * w >= 0, 1.0 - decay))

@@ -42,7 +42,7 @@ from typing import Any
 
 from torch import Tensor
 
-__all__ = ["LAYOUT_KEYS", "MatrixLayout", "layout_of"]
+__all__ = ["LAYOUT_KEYS", "MatrixLayout", "check_muon_params", "layout_of", "resolve_split_parts"]
 
 # The param-group keys that hold a layout (``split_parts`` is resolved into ``split_sizes``).
 LAYOUT_KEYS = ("split_sizes", "batched", "transposed", "blocks")
@@ -285,3 +285,49 @@ def layout_of(group: Mapping[str, Any]) -> MatrixLayout:
         return _cached(tuple(sizes) if sizes is not None else None, batched, transposed, blocks)
     except (TypeError, ValueError):  # a malformed value: build it uncached, so the error shows it as given
         return MatrixLayout(sizes, batched, transposed, blocks)
+
+
+def resolve_split_parts(group: dict[str, Any], params: list[Tensor], where: str) -> None:
+    """``split_parts=k``: ``k`` equal blocks along the output axis, turned into ``split_sizes``.
+
+    Per-head orthogonalization (a fused QKV of ``H`` heads: ``3 H`` parts; a ``q_proj``:
+    ``H`` parts) and ``nn.MultiheadAttention``'s ``in_proj_weight`` (Q, K, V: 3 parts)
+    without spelling the sizes. Every tensor of the group must have the same output size.
+    """
+    parts = group.pop("split_parts", None)
+    if parts is None:
+        return
+    if isinstance(parts, bool) or not isinstance(parts, int) or parts < 1:
+        raise ValueError(f"{where}: split_parts must be a positive int, got {parts!r}")
+    if group.get("split_sizes") is not None:
+        raise ValueError(f"{where}: set split_parts or split_sizes, not both")
+    layout = MatrixLayout(
+        batched=bool(group.get("batched")), transposed=bool(group.get("transposed")), blocks=group.get("blocks")
+    )
+    axes = {layout.out_axis(p.ndim) for p in params if p.ndim >= 2} or {0}
+    axis = min(axes)
+    sizes = {layout.batch_view_shape(p.shape)[layout.out_axis(p.ndim)] for p in params if p.ndim >= 2}
+    if len(sizes) > 1:
+        raise ValueError(f"{where}: split_parts={parts} needs one output size in the group, got {sorted(sizes)}")
+    (size,) = sizes or {parts}
+    if size % parts:
+        names = group.get("param_names", [])
+        raise ValueError(
+            f"{where}{f' ({names[0]!r})' if names else ''}: split_parts={parts} does not divide the output axis "
+            f"(dim {axis}, size {size})"
+        )
+    group["split_sizes"] = (size // parts,) * parts
+
+
+def check_muon_params(group: dict[str, Any], params: list[Tensor], where: str) -> None:
+    """The group's layout (``split_sizes``, ``batched``, ``transposed``) against its tensors."""
+    try:
+        layout = layout_of(group)
+    except ValueError as err:
+        raise ValueError(f"{where}: {err}") from None
+    group["split_sizes"] = layout.split_sizes
+    for j, p in enumerate(params):
+        label = f"{where}, parameter {j}" + (f" ({group['param_names'][j]!r})" if "param_names" in group else "")
+        if p.is_complex():
+            raise ValueError(f"{label}: complex parameters are not supported by Muon")
+        layout.check(p, label)

@@ -2,13 +2,16 @@
 
 from __future__ import annotations
 
+import contextlib
 import dataclasses
 import difflib
 import warnings
+from collections import OrderedDict
 from collections.abc import Callable, Iterable, Sequence
 from typing import TYPE_CHECKING, Any
 
 import torch
+import torch.distributed as dist
 from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
@@ -21,7 +24,8 @@ from lightning_muon.algorithms import (
     algorithm_names,
     get_algorithm,
 )
-from lightning_muon.algorithms.base import StepContext
+from lightning_muon.algorithms.adamw_schedulefree import eval_mode_error
+from lightning_muon.algorithms.base import ALGORITHMS, StepContext
 from lightning_muon.algorithms.checks import HparamError
 from lightning_muon.algorithms.families import (
     AdjustLR,
@@ -39,6 +43,7 @@ from lightning_muon.algorithms.state_dtypes import (
     restore_state_dtypes,
 )
 from lightning_muon.aliases import canonical_with_aliases, named_as_written, settings_from
+from lightning_muon.distributed.comm import all_reduce_
 from lightning_muon.functional import MomentumForm, SecondMoment
 from lightning_muon.hparams import NonFinite, OptimizerConfig, StateSettings, settings_by_algorithm
 from lightning_muon.newton_schulz import NSMethod
@@ -46,9 +51,10 @@ from lightning_muon.nonfinite import FiniteChecks
 from lightning_muon.routing.added_groups import split_added_group
 from lightning_muon.routing.checkpoint import check_checkpoint_routing
 from lightning_muon.routing.param_groups import algorithm_of, as_groups, group_label, option_names, split_named_params
-from lightning_muon.state_creation import StateCreation, is_state_creation
 from lightning_muon.step_memory import StepMemory
-from lightning_muon.update_hooks import UpdateHook, UpdateHooks
+
+# ``hook(group, params, updates, ortho)``: see ``Muon.register_update_hook``.
+UpdateHook = Callable[[dict, list, list, list], None]
 
 if TYPE_CHECKING:
     from lightning_muon.distributed.protocol import Sharding
@@ -197,13 +203,13 @@ class Muon(Optimizer):
         self._sharding: Sharding | None = None
         self._lost_sharding = lost_sharding  # the class of the sharding the original had, in a copy
         self._mesh_checked = False  # whether the first step looked for DTensors without a sharding
-        self.creating_state = False
-        """True during that step (``state_creation``): parameters, modes and group keys are put back after it."""
-        self._update_hooks = UpdateHooks()
+        self._update_hooks: OrderedDict[int, UpdateHook] = OrderedDict()
         self._router: Router | None = None
         self.finite_checks = FiniteChecks(self)
         """The non-finite gradient checks: ``precheck()`` before clipping, ``label(i, j)`` of a parameter."""
         self._defaults: dict[str, dict[str, Any]] = {}  # per algorithm, made on first use
+        self._ctx = StepContext()
+        self._ctx.update_hooks = self._update_hooks
 
     def __getstate__(self) -> dict[str, Any]:
         """torch's state (defaults, state, param groups) and the settings: what ``copy.deepcopy``, ``pickle``
@@ -316,14 +322,98 @@ class Muon(Optimizer):
 
     # ------------------------------------------------------------------ the step
 
-    @property
-    def _step_context(self) -> StepContext:
-        """All an algorithm's step sees of this optimizer; made on first use (a deep copy, which torch's
-        ``Optimizer.__getstate__`` makes of groups and state alone, makes its own)."""
-        ctx = self.__dict__.get("_ctx")
-        if ctx is None:
-            ctx = self.__dict__["_ctx"] = StepContext(self)
+    @torch.no_grad()
+    def step(self, closure: Callable[[], Any] | None = None) -> Any:
+        """One optimizer step over every group; ``closure`` re-evaluates the loss.
+
+        torch's distributed checkpoint asks a new optimizer for its state with a step at zero
+        gradients and lr 0 (no closure): that step makes each group's state (``init_state``)
+        and moves nothing.
+        """
+        if not self._mesh_checked:
+            self._first_step_checks()
+        if self.fresh and closure is None and _is_state_creation(self):
+            self._create_state()
+            return None
+        self.fresh = False
+        checks = self.finite_checks
+        if checks.pending and not torch.compiler.is_compiling():
+            checks.raise_pending()  # a compiled step's verdict, read where a sync costs nothing new
+        for i, group in enumerate(self.param_groups):
+            if group.get("train_mode") is False:  # Schedule-Free: no gradients at the averaged weights
+                raise eval_mode_error(i, group)
+        loss = None
+        if closure is not None:
+            with torch.enable_grad():
+                loss = closure()
+        sharding = self._sharding
+        work = [(group, *_collect(sharding, i, group)) for i, group in enumerate(self.param_groups)]
+        compiled = torch.compiler.is_compiling() and checks.can_mask(work)
+        if compiled:  # decided on the device, no host sync (``FiniteChecks.snapshot``)
+            snapshot = checks.snapshot(work)
+        elif not checks.passes(work, sharding):
+            return loss
+        masters: list[tuple[Tensor, Tensor]] = []
+        if self.config.state.main_params_dtype is not None:
+            work, masters = _main_params(self, work)  # bf16 parameters step on their fp32 master copies
+        ctx = self._ctx  # what the step reads now: load_state_dict replaces the state
+        ctx.state, ctx.config, ctx.sharding, ctx.groups = self.state, self.config, sharding, self.param_groups
+        finishing: dict[Algorithm, list[dict[str, Any]]] = {}  # Schedule-Free: steps all its groups at once
+        try:
+            with sharding.lent_state() if sharding is not None else contextlib.nullcontext():
+                for group, params, grads in work:
+                    algorithm = ALGORITHMS[group["algorithm"]]
+                    if params:
+                        algorithm.step_group(ctx, group, params, grads)
+                    if algorithm.finish_step is not None:
+                        finishing.setdefault(algorithm, []).append(group)
+            for p, master in masters:
+                p.copy_(master)  # rounded to the parameter's dtype
+        finally:
+            for _, master in masters:
+                self.state.pop(master, None)
+        for algorithm, groups in finishing.items():
+            algorithm.finish_step(ctx, groups)
+        if sharding is not None:
+            sharding.gather_parameters()  # every rank calls it, owner of matrices or not
+        if compiled:
+            checks.restore(snapshot)
+        return loss
+
+    def _create_state(self) -> None:
+        """The step torch's distributed checkpoint takes to make a new optimizer's state (``_is_state_creation``):
+        every group's state, as a first step would find it (``Algorithm.init_state``), and nothing moved."""
+        sharding = self._sharding
+        work = [(group, *_collect(sharding, i, group)) for i, group in enumerate(self.param_groups)]
+        masters: list[tuple[Tensor, Tensor]] = []
+        if self.config.state.main_params_dtype is not None:
+            work, masters = _main_params(self, work)  # the fp32 master copies, made as a first step makes them
+        ctx = self._context()
+        try:
+            with sharding.lent_state() if sharding is not None else contextlib.nullcontext():
+                for group, params, _ in work:
+                    if params:
+                        ALGORITHMS[group["algorithm"]].init_state(ctx, group, params)
+        finally:
+            for _, master in masters:
+                self.state.pop(master, None)
+
+    def _context(self) -> StepContext:
+        """The ``StepContext`` with what the step reads now (``load_state_dict`` replaces the state)."""
+        ctx = self._ctx
+        ctx.state, ctx.config, ctx.sharding, ctx.groups = self.state, self.config, self._sharding, self.param_groups
         return ctx
+
+    def _first_step_checks(self) -> None:
+        """At the first step: DTensor Muon matrices without a sharding get ``MuonTPSharding``; a copy that lost its
+        sharding says so."""
+        self._mesh_checked = True
+        if self._sharding is None:
+            self._attach_mesh_sharding()
+            if self._sharding is None and self._lost_sharding is not None:
+                _warn_lost_sharding(self._lost_sharding)
+
+    # ------------------------------------------------------------------ train / eval (Schedule-Free)
 
     def _algorithms(self) -> dict[str, tuple[Algorithm, list[dict[str, Any]]]]:
         """Each algorithm in use, with its groups, in the order of its first group (the same on every rank)."""
@@ -331,71 +421,9 @@ class Muon(Optimizer):
         for group in self.param_groups:
             name = group["algorithm"]
             if name not in out:
-                out[name] = (get_algorithm(name), [])
+                out[name] = (ALGORITHMS[name], [])
             out[name][1].append(group)
         return out
-
-    @torch.no_grad()
-    def step(self, closure: Callable[[], Any] | None = None) -> Any:
-        """One optimizer step over every group; ``closure`` re-evaluates the loss.
-
-        The step torch's distributed checkpoint takes to create the state of a new optimizer
-        (every gradient zero, every lr 0, no closure) makes the state and moves nothing: no
-        parameter, mode or group key changes (``state_creation``).
-        """
-        if self._sharding is None and not self._mesh_checked:
-            self._attach_mesh_sharding()
-            if self._sharding is None and self._lost_sharding is not None:
-                _warn_lost_sharding(self._lost_sharding)
-        if not torch.compiler.is_compiling():
-            self.finite_checks.raise_pending()  # a compiled step's verdict, read where a sync costs nothing new
-        if closure is None and is_state_creation(self):
-            with StateCreation(self):
-                return self._step(None)
-        self.fresh = False
-        return self._step(closure)
-
-    def _step(self, closure: Callable[[], Any] | None) -> Any:
-        algorithms = self._algorithms()
-        for algorithm, groups in algorithms.values():
-            algorithm.prepare_step(self._step_context, groups)  # before the closure (Schedule-Free: refuse eval mode)
-        loss = None
-        if closure is not None:
-            with torch.enable_grad():
-                loss = closure()
-        work = [(group, *_collect(self, i, group)) for i, group in enumerate(self.param_groups)]
-        if torch.compiler.is_compiling() and self.finite_checks.can_mask(work):
-            # Under torch.compile: decided on the device, no host sync (``FiniteChecks.snapshot``).
-            snapshot = self.finite_checks.snapshot(work)
-            self._apply(work, algorithms)
-            self.finite_checks.restore(snapshot)
-        elif self.finite_checks.grads_finite(work):
-            self._apply(work, algorithms)
-        return loss
-
-    def _apply(self, work: list, algorithms: dict[str, tuple[Algorithm, list[dict[str, Any]]]]) -> None:
-        """Step every group of ``work`` (gradients checked), then let each algorithm finish and the ranks share."""
-        if self._sharding is not None:
-            self._sharding.lend_state()  # a part of a parameter steps under its own state key
-        masters: list[tuple[Tensor, Tensor]] = []
-        try:
-            work, masters = _main_params(self, work)
-            for group, params, grads in work:
-                if params:
-                    algorithms[group["algorithm"]][0].step_group(self._step_context, group, params, grads)
-            for p, master in masters:
-                p.copy_(master)  # rounded to the parameter's dtype
-        finally:
-            for _, master in masters:
-                self.state.pop(master, None)
-            if self._sharding is not None:
-                self._sharding.return_state()
-        for algorithm, groups in algorithms.values():
-            algorithm.finish_step(self._step_context, groups)
-        if self._sharding is not None:
-            self._sharding.gather_parameters()  # every rank calls it, owner of matrices or not
-
-    # ------------------------------------------------------------------ train / eval (Schedule-Free)
 
     def train(self) -> None:
         """Every group to train mode: Schedule-Free groups' parameters hold ``y``, where gradients are taken.
@@ -405,7 +433,7 @@ class Muon(Optimizer):
         already in train mode.
         """
         for algorithm, groups in self._algorithms().values():
-            algorithm.train(self._step_context, groups)
+            algorithm.train(self._context(), groups)
 
     def eval(self) -> None:
         """Every group to eval mode: Schedule-Free groups' parameters hold the averaged weights ``x``.
@@ -415,7 +443,7 @@ class Muon(Optimizer):
         loading brings back the training weights). A no-op for the other groups.
         """
         for algorithm, groups in self._algorithms().values():
-            algorithm.eval(self._step_context, groups)
+            algorithm.eval(self._context(), groups)
 
     # ------------------------------------------------------------------ sharding and update hooks
 
@@ -463,22 +491,18 @@ class Muon(Optimizer):
         applied, on the rank that steps the matrices: ``updates`` are the momentum tensors
         fed to Newton-Schulz, ``ortho`` per parameter its list of pieces (shaped like
         ``MatrixLayout.views``), as they are applied before the lr scale. Under a
-        sharding that holds whole matrices only on owners (FSDP2) the sharding runs the
-        hooks there, with the whole matrices, before any second moment. Hooks must not
-        modify their arguments. ``handle.remove()`` unregisters it, as for torch's hooks.
+        sharding that holds whole matrices only on owners (FSDP2) the hooks run there,
+        with the whole matrices, before any second moment. Hooks must not modify their
+        arguments. ``handle.remove()`` unregisters it, as for torch's hooks.
         """
-        return self._update_hooks.register(hook)
+        handle = RemovableHandle(self._update_hooks)
+        self._update_hooks[handle.id] = hook
+        return handle
 
     @property
     def has_update_hooks(self) -> bool:
         """True when an update hook is registered."""
         return bool(self._update_hooks)
-
-    def run_update_hooks(
-        self, group: dict[str, Any], params: list[Tensor], updates: list[Tensor], ortho: list[list[Tensor]]
-    ) -> None:
-        """Call every registered update hook, in registration order (a sharding that observes updates calls it)."""
-        self._update_hooks.run(group, params, updates, ortho)
 
 
 def _main_params(optimizer: Muon, work: list) -> tuple[list, list[tuple[Tensor, Tensor]]]:
@@ -520,17 +544,17 @@ def _main_params(optimizer: Muon, work: list) -> tuple[list, list[tuple[Tensor, 
     return out, masters
 
 
-def _collect(optimizer: Muon, index: int, group: dict) -> tuple[list[Tensor], list[Tensor]]:
+def _collect(sharding: Sharding | None, index: int, group: dict) -> tuple[list[Tensor], list[Tensor]]:
     """The parameters of ``group`` a step here updates (with a gradient; under a sharding, the part it steps)
     and their gradients."""
     params, grads = [], []
     for j, p in enumerate(group["params"]):
-        if optimizer._sharding is not None:
-            p = optimizer._sharding.stepped(p)  # p, the part of it this rank steps (experts), or None
+        if sharding is not None:
+            p = sharding.stepped(p)  # p, the part of it this rank steps (experts), or None
             if p is None:
                 continue  # another rank orthogonalizes it and sends the result
         # An empty tensor (a zero-width layer) has nothing to update; skipping it also keeps
-        # it out of the inf-norm check and the adjust_lr ratio, which both fail on size 0.
+        # it out of the finite check and the adjust_lr ratio, which both fail on size 0.
         if p.grad is None or p.numel() == 0:
             continue
         if p.grad.is_sparse:
@@ -540,6 +564,39 @@ def _collect(optimizer: Muon, index: int, group: dict) -> tuple[list[Tensor], li
         params.append(p)
         grads.append(p.grad)
     return params, grads
+
+
+def _is_state_creation(optimizer: Muon) -> bool:
+    """Whether the step a new ``optimizer`` is about to take is torch's distributed checkpoint asking for its state.
+
+    To load a saved optimizer state into an optimizer that has none,
+    ``torch.distributed.checkpoint.state_dict`` (``get_optimizer_state_dict``,
+    ``set_optimizer_state_dict``: every ``muon_fsdp`` and ``ModelParallelStrategy`` resume) gives
+    every parameter a zero gradient, sets every group's lr to 0 and calls ``step()`` once. It is
+    that step when the optimizer has neither stepped nor loaded a state since it was made, every
+    group's lr is 0, and every parameter that requires a gradient has one, all zeros, on every
+    rank of its sharding (one all-reduce, which every rank runs alike: the first two conditions
+    are the same on every rank). A step there would move weights that do not scale with the lr
+    (Spel's projection, Sinkhorn-Muon's map, a fixed hyperball radius, "independent" decay) and
+    refuse Schedule-Free groups in eval mode, as a new optimizer's are.
+    """
+    lrs = [g["lr"] for g in optimizer.param_groups if "lr" in g]
+    if not lrs or any(lr is None or float(lr) != 0.0 for lr in lrs):
+        return False
+    params = [p for g in optimizer.param_groups for p in g["params"] if p.requires_grad]
+    zero = all(p.grad is not None and not bool(_local(p.grad).any()) for p in params)
+    sharding = optimizer.sharding
+    if sharding is not None and sharding.world_size > 1:
+        device = params[0].device if params else torch.device("cpu")  # NCCL takes no CPU tensors
+        flag = torch.tensor([int(zero)], dtype=torch.int32, device=device)
+        all_reduce_(flag, dist.ReduceOp.MIN, sharding.group, sharding.stats, name="state_creation")
+        zero = bool(flag.item())
+    return zero
+
+
+def _local(t: Tensor) -> Tensor:
+    """A DTensor's local shard; a plain tensor as it is."""
+    return t.to_local() if hasattr(t, "to_local") else t
 
 
 def _config_from_keywords(arguments: dict[str, Any]) -> OptimizerConfig:

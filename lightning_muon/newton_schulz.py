@@ -27,6 +27,30 @@ Gram Newton-Schulz (``method="gram"``) computes the same polynomial on the small
 
 Per step that is four m x m products instead of two m x n ones: for m x 4m
 matrices, 60 m^3 FLOPs against 90 m^3 for five steps with one restart.
+
+Symmetric products by row blocks (``SymmetricProduct``), for a matrix iterated alone: a step
+makes two symmetric matrices, the Gram matrix ``A = S S^T`` of the short side (``S`` is ``X``
+laid wide, ``k x n``, ``k <= n``) and the square ``A A`` of the symmetric ``A``. A general
+matmul computes both triangles. Cut the rows of the left factor and the columns of the right
+one in halves; three products give the whole::
+
+    P_11 = S_1 S_1^T    P_12 = S_1 S_2^T    P_22 = S_2 S_2^T    P_21 = P_12^T      # (3/4) 2 k^2 n FLOPs
+    (A A)_rc = A[r, :] A[:, c]   for (r, c) in (1, 1), (1, 2), (2, 2);   (A A)_21 = (A A)_12^T
+
+Every block is the dense product's own sub-block, one whole dot product per entry rounded
+once: the dense product's entries (bitwise equal on the CPUs measured), in any dtype.
+``B = b A + c A A`` takes ``b A`` into the same three calls (``addmm``). The third product of
+a step, ``B X``, has no symmetric output and stays whole. Halves run under the matmul kernel's
+best rate at small sizes, so blocks are used only where they were measured faster, on the CPU
+(benchmarks/bench_optimizer.py, section "symmetric"; AMD EPYC, 2 cores, AVX512-BF16, torch
+2.13.0+cpu). Blocks over dense, bf16: 1.02-1.17 at 384 x 384, 0.91-1.08 at 384 x 768 (the
+border), 0.88-0.98 at 384 x 1152 and 384 x 1536, 0.82-0.90 at 768 x 768 to 768 x 3072, 0.77-0.90
+at 1024; float32: 0.68-0.92 from 384 x 384 on. Stacked matrices (bmm into block views: 1.3-1.6x
+slower in bf16) keep the dense products; so does CUDA, where no GPU was at hand to measure them.
+
+References:
+    Higham, "Accuracy and Stability of Numerical Algorithms", 2nd ed., 2002, ch. 22
+    (block algorithms for symmetric rank-k updates, BLAS ``syrk``).
 """
 
 from __future__ import annotations
@@ -34,7 +58,6 @@ from __future__ import annotations
 import contextlib
 import functools
 import math
-import numbers
 import os
 import typing
 from collections.abc import Collection, Iterator, Sequence
@@ -43,9 +66,24 @@ from typing import Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from lightning_muon.symmetric import SymmetricProduct, symmetric_blocks
+from lightning_muon.coefficients import (
+    COEFFICIENTS,
+    DEFAULT_NORMALIZATION,
+    NORMALIZATION,
+    Coefficients,
+    FlooredNormalization,
+    Normalization,
+    coefficient_list,
+    is_number,
+)
 
 __all__ = [
+    "SYMMETRIC_MIN_LONG_SIDE",
+    "SYMMETRIC_MIN_SHORT_SIDE",
+    "SymmetricProduct",
+    "gram_",
+    "square_",
+    "symmetric_blocks",
     "BATCH_MAX_ELEMENTS",
     "CUDA_BATCH_MAX_ELEMENTS",
     "COEFFICIENTS",
@@ -60,14 +98,17 @@ __all__ = [
     "bf16_matmul_is_fast",
     "check_ns_method",
     "coefficient_list",
-    "donated_dtypes",
+    "MatrixSpec",
+    "NSPlan",
     "dtype_name",
     "matmul_precision",
     "gram_restarts",
     "ns_flops",
     "ns_flops_as_run",
+    "ns_wire_dtype",
     "orthogonalize",
     "orthogonalize_many",
+    "plan_matrices",
     "resolve_coefficients",
     "resolve_ns_dtype",
     "resolve_ns_method",
@@ -76,129 +117,6 @@ __all__ = [
     "stacks",
     "NSMethod",
 ]
-
-Coefficients = tuple[float, float, float]
-
-
-def _paper_schedule() -> list[Coefficients]:
-    # Amsel et al. 2025 (arXiv 2505.16932), their released 8-step list. Every tuple
-    # but the last is divided by (1.01, 1.01^3, 1.01^5): evaluating p(x / 1.01) keeps
-    # the iteration stable when bf16 rounding pushes a singular value slightly above 1.
-    raw = [
-        (8.28721201814563, -23.595886519098837, 17.300387312530933),
-        (4.107059111542203, -2.9478499167379106, 0.5448431082926601),
-        (3.9486908534822946, -2.908902115962949, 0.5518191394370137),
-        (3.3184196573706015, -2.488488024314874, 0.51004894012372),
-        (2.300652019954817, -1.6689039845747493, 0.4188073119525673),
-        (1.891301407787398, -1.2679958271945868, 0.37680408948524835),
-        (1.8750014808534479, -1.2500016453999487, 0.3750001645474248),
-        (1.875, -1.25, 0.375),
-    ]
-    safety = 1.01
-    scaled = [(a / safety, b / safety**3, c / safety**5) for a, b, c in raw[:-1]]
-    return scaled + [raw[-1]]
-
-
-COEFFICIENTS: dict[str, list[Coefficients]] = {
-    # Keller Jordan's quintic, torch.optim.Muon's default (torch/optim/_muon.py).
-    # Maximises the slope at 0; converges to singular values in roughly [0.7, 1.2].
-    "keller": [(3.4445, -4.7750, 2.0315)] * 5,
-    # You Jiacheng's per-step tuning (modded-nanogpt, 2024).
-    "you": [
-        (4.0848, -6.8946, 2.9270),
-        (3.9505, -6.3029, 2.6377),
-        (3.7418, -5.5913, 2.3037),
-        (2.8769, -3.1427, 1.2046),
-        (2.8366, -3.0525, 1.2012),
-    ],
-    # Polar Express tuned for exactly 5 steps (karpathy/nanochat, nanochat/optim.py),
-    # the minimax-optimal composition of Amsel et al. 2025, arXiv 2505.16932.
-    "polar_express": [
-        (8.156554524902461, -22.48329292557795, 15.878769915207462),
-        (4.042929935166739, -2.808917465908714, 0.5000178451051316),
-        (3.8916678022926607, -2.772484153217685, 0.5060648178503393),
-        (3.285753657755655, -2.3681294933425376, 0.46449024233003106),
-        (2.3465413258596377, -1.7097828382687081, 0.42323551169305323),
-        # Not used at 5 steps. Repeating the 5th tuple would settle singular values at 1.035
-        # (its p(1) = 1.06); (1.875, -1.25, 0.375) has p(1) = 1 and p'(1) = 0, so extra steps
-        # converge to the exact polar factor (the paper schedule's own tail).
-        (1.875, -1.25, 0.375),
-    ],
-    "polar_express_paper": _paper_schedule(),
-    # Megatron-Core's "polar_express" (NVIDIA Emerging-Optimizers 0.3.0 ``muon_utils``): the
-    # paper's 8 tuples with the 1.01 safety folded in, as that library lists them (4 digits),
-    # pre-scaled by ||X||_F without a further safety: its results to float32 rounding.
-    "polar_express_megatron": [
-        (8.2051, -22.9019, 16.4607),
-        (4.0664, -2.8612, 0.5184),
-        (3.9096, -2.8234, 0.5250),
-        (3.2856, -2.4153, 0.4853),
-        (2.2779, -1.6198, 0.3985),
-        (1.8726, -1.2307, 0.3585),
-        (1.8564, -1.2132, 0.3568),
-        (1.8750, -1.2500, 0.3750),
-    ],
-    # CANS, Chebyshev-type polynomials accelerating Newton-Schulz (Grishina, Smirnov, Rakhuba,
-    # arXiv 2506.10935), as NVIDIA Emerging-Optimizers 0.3.0 lists them (``muon_utils``,
-    # coefficient type "cans", pre-scaled by ||X||_F): 5 steps, the last repeated for more.
-    "cans": [
-        (8.4703, -25.1081, 18.6293),
-        (4.1828, -3.1087, 0.5806),
-        (3.9619, -2.9541, 0.5630),
-        (3.2866, -2.4647, 0.5074),
-        (2.2737, -1.6447, 0.4162),
-    ],
-    # The schedule Emerging-Optimizers 0.3.0 names coefficient type "deepseekv4": Keller
-    # Jordan's quintic 8 times, then (2, -1.5, 0.5) twice (p(1) = 1, p'(1) = 0: it settles the
-    # singular values at 1); 10 steps, the last repeated for more.
-    "deepseekv4": [(3.4445, -4.7750, 2.0315)] * 8 + [(2.0, -1.5, 0.5)] * 2,
-    # Classic cubic Newton-Schulz (Higham, "Functions of Matrices", 2008, eq. 8.20):
-    # converges to the exact polar factor, slowly (a gain of 1.5 per step near 0).
-    "cubic": [(1.5, -0.5, 0.0)],
-}
-
-
-class Normalization(NamedTuple):
-    """Pre-scaling ``X = G / (||G||_F * safety + eps)`` used with a schedule."""
-
-    safety: float
-    eps: float
-
-    def with_eps(self, eps: float | None) -> Normalization | FlooredNormalization:
-        """This pre-scaling with ``eps`` as a floor instead (``ns_eps``); None: unchanged, the schedule's own."""
-        return self if eps is None else FlooredNormalization(self.safety, float(eps))
-
-    def divisor_(self, fro: Tensor) -> Tensor:
-        """``fro`` (the Frobenius norms) turned in place into what ``X`` is divided by."""
-        return fro.mul_(self.safety).add_(self.eps)
-
-
-class FlooredNormalization(NamedTuple):
-    """Pre-scaling ``X = G / max(||G||_F * safety, eps)``: torch.optim.Muon's form, which ``ns_eps`` selects.
-
-    A matrix whose scaled norm is below ``eps`` (a vanishing gradient) is divided by ``eps`` and
-    stays small, where ``Normalization`` scales it up to norm about 1.
-    """
-
-    safety: float
-    eps: float
-
-    def divisor_(self, fro: Tensor) -> Tensor:
-        """``fro`` (the Frobenius norms) turned in place into what ``X`` is divided by."""
-        return fro.mul_(self.safety).clamp_(min=self.eps)
-
-
-NORMALIZATION: dict[str, Normalization] = {
-    "keller": Normalization(1.0, 1e-7),  # torch.optim.Muon: EPS = 1e-7
-    "you": Normalization(1.0, 1e-7),
-    "polar_express": Normalization(1.02, 1e-6),  # nanochat's 5-step schedule
-    "polar_express_paper": Normalization(1.01, 1e-7),
-    "polar_express_megatron": Normalization(1.0, 1e-7),
-    "cans": Normalization(1.0, 1e-7),  # Emerging-Optimizers: X / max(||X||_F, 1e-7)
-    "deepseekv4": Normalization(1.0, 1e-7),
-    "cubic": Normalization(1.0, 1e-7),
-}
-_DEFAULT_NORMALIZATION = Normalization(1.0, 1e-7)
 
 # Same-shape matrices with at most this many elements are stacked and run through
 # one batched matmul; larger ones run one by one (no stacking copy, less memory).
@@ -254,39 +172,13 @@ def resolve_coefficients(
     """
     if isinstance(steps, bool) or not isinstance(steps, int) or steps < 1:
         raise ValueError(f"ns_steps must be a positive int, got {steps!r}")
-    if eps is not None and not (_is_number(eps) and math.isfinite(eps) and eps > 0):
+    if eps is not None and not (is_number(eps) and math.isfinite(eps) and eps > 0):
         raise ValueError(f"ns_eps must be None or a finite number > 0, got {eps!r}")
     if isinstance(coefficients, str):
         schedule, norm = _named_schedule(coefficients, steps)
-        return schedule, norm.with_eps(eps)
+        return schedule, norm if eps is None else FlooredNormalization(norm.safety, float(eps))
     schedule = coefficient_list(coefficients)
-    return _extend(schedule, steps), _DEFAULT_NORMALIZATION.with_eps(eps)
-
-
-def coefficient_list(coefficients: Sequence[float] | Sequence[Sequence[float]]) -> list[Coefficients]:
-    """An explicit schedule as a list of (a, b, c) float tuples: one ``(a, b, c)`` becomes a list of one.
-
-    Raises:
-        ValueError: empty, or something other than three finite numbers per step.
-    """
-    if isinstance(coefficients, Sequence) and len(coefficients) == 3 and all(map(_is_number, coefficients)):
-        coefficients = [coefficients]  # torch.optim.Muon's form: one triple, used at every step
-    try:
-        schedule = [tuple(float(v) for v in abc) for abc in coefficients]
-    except (TypeError, ValueError):
-        raise ValueError(
-            f"ns_coefficients must be a name in {sorted(COEFFICIENTS)}, a list of (a, b, c) tuples "
-            f"or one (a, b, c), got {coefficients!r}"
-        ) from None
-    if not schedule or any(len(abc) != 3 for abc in schedule):
-        raise ValueError(f"ns_coefficients must be a non-empty list of (a, b, c) tuples, got {coefficients!r}")
-    if not all(math.isfinite(v) for abc in schedule for v in abc):
-        raise ValueError(f"ns_coefficients must be finite numbers, got {coefficients!r}")
-    return schedule
-
-
-def _is_number(value: object) -> bool:
-    return isinstance(value, numbers.Real) and not isinstance(value, bool)
+    return _extend(schedule, steps), DEFAULT_NORMALIZATION if eps is None else FlooredNormalization(1.0, float(eps))
 
 
 @functools.lru_cache(maxsize=64)
@@ -296,7 +188,7 @@ def _named_schedule(name: str, steps: int) -> tuple[list[Coefficients], Normaliz
             f"ns_coefficients: unknown schedule {name!r}; choose one of {sorted(COEFFICIENTS)} "
             "or pass a list of (a, b, c) tuples"
         )
-    return _extend(COEFFICIENTS[name], steps), NORMALIZATION.get(name, _DEFAULT_NORMALIZATION)
+    return _extend(COEFFICIENTS[name], steps), NORMALIZATION.get(name, DEFAULT_NORMALIZATION)
 
 
 def _extend(schedule: list, steps: int) -> list[Coefficients]:
@@ -325,24 +217,19 @@ def _cpu_has_fast_bf16() -> bool:
 FAST_BF16_ENV = "LIGHTNING_MUON_FAST_BF16"
 
 
-def _forced_fast_bf16() -> bool | None:
-    value = os.environ.get(FAST_BF16_ENV, "").strip()
-    if value == "":
-        return None
-    if value not in ("0", "1"):
-        raise ValueError(f"{FAST_BF16_ENV} must be '1' (bf16 matmul is fast), '0' (it is not) or unset, got {value!r}")
-    return value == "1"
-
-
 def bf16_matmul_is_fast(device: torch.device | str) -> bool:
     """True where bf16 matmul is faster than fp32 (CUDA with bf16; CPUs with AVX512-BF16/AMX).
 
     The environment variable ``LIGHTNING_MUON_FAST_BF16`` overrides the detection: ``"1"``
     answers True and ``"0"`` False on every device; unset, the hardware decides.
     """
-    forced = _forced_fast_bf16()
-    if forced is not None:
-        return forced
+    forced = os.environ.get(FAST_BF16_ENV, "").strip()
+    if forced:
+        if forced not in ("0", "1"):
+            raise ValueError(
+                f"{FAST_BF16_ENV} must be '1' (bf16 matmul is fast), '0' (it is not) or unset, got {forced!r}"
+            )
+        return forced == "1"
     device = torch.device(device)
     if device.type == "cuda":
         return torch.cuda.is_bf16_supported()
@@ -443,9 +330,8 @@ def resolve_ns_method(method: str, rows: int, cols: int, work_dtype: torch.dtype
     ``GRAM_MIN_SHORT_SIDE``, and a float32 or float64 iteration (in bf16 the standard
     iteration is the fast one, and Gram in bf16 is unstable).
     """
-    check_ns_method(method)
     if method != "auto":
-        return method
+        return check_ns_method(method)
     m, n = min(rows, cols), max(rows, cols)
     wide_enough = n >= GRAM_MIN_ASPECT * m and m >= GRAM_MIN_SHORT_SIDE
     return "gram" if wide_enough and work_dtype in (torch.float32, torch.float64) else "standard"
@@ -539,49 +425,46 @@ def _orthogonalize(
     coefficients: str | Sequence[float] | Sequence[Sequence[float]],
     dtype: torch.dtype | str | None,
     method: str,
-    donate: bool = False,
     eps: float | None = None,
 ) -> Tensor:
-    """``orthogonalize`` with the result left in the iteration's dtype (no cast back).
-
-    ``donate=True``: ``G`` is a temporary the caller gives up; when it is already contiguous
-    and in the work dtype, the iteration runs in it rather than in a copy.
-    """
+    """``orthogonalize`` with the result left in the iteration's dtype (no cast back)."""
     if not isinstance(G, Tensor) or G.ndim < 2:
         raise ValueError(f"G must be a tensor with at least 2 dims, got shape {getattr(G, 'shape', G)}")
     if G.is_complex() or not G.is_floating_point():
         raise ValueError(f"G must be a real floating tensor, got dtype {G.dtype}")
-    schedule, norm = resolve_coefficients(coefficients, steps, eps)
-    batch_shape, (rows, cols) = G.shape[:-2], G.shape[-2:]
-    method, work_dtype = _method_and_dtype(method, rows, cols, dtype, G)
-    if G.numel() == 0:
+    check_ns_dtype(dtype)
+    plan = plan_matrices([G], steps, coefficients, dtype, method, eps=eps, batch=True)
+    if plan.how[0] is None:  # an empty matrix
         return torch.zeros_like(G)
-    X = G.reshape(-1, rows, cols)  # (K, rows, cols)
+    X, wide = _iterand(G, *plan.how[0], donate=False)
+    X = _newton_schulz_(X, plan.schedule, plan.norm, plan.how[0][0])  # (K, m, n)
+    return (X.mT if wide else X).reshape(G.shape)
+
+
+def prescale_divisor_(fro: Tensor, norm: Normalization | FlooredNormalization) -> Tensor:
+    """``fro`` (the Frobenius norms) turned in place into what the iterate is divided by: ``fro * safety + eps``,
+    or ``max(fro * safety, eps)`` for a floor (``ns_eps``)."""
+    if norm.safety != 1.0:  # x * 1.0 is x: one pass less for most schedules
+        fro.mul_(norm.safety)
+    return fro.clamp_(min=norm.eps) if isinstance(norm, FlooredNormalization) else fro.add_(norm.eps)
+
+
+def _iterand(M: Tensor, method: str, work_dtype: torch.dtype, donate: bool) -> tuple[Tensor, bool]:
+    """``M`` (``(..., rows, cols)``) as the ``(K, m, n)`` buffer its iteration runs in, and whether that is ``M``
+    laid wide (its result then comes back transposed).
+
+    ``donate``: ``M`` is a temporary the caller gives up; when it is already contiguous and in
+    the work dtype, the iteration runs in it, a tall one on its short side (``X^T X``: the wide
+    iteration on its transpose, up to rounding). Otherwise the one full-size copy, laid wide
+    and cast to the work dtype in the same pass, so that ``orthogonalize(G^T)`` is exactly
+    ``orthogonalize(G)^T``.
+    """
+    rows, cols = M.shape[-2:]
+    X = M.reshape(-1, rows, cols)  # (K, rows, cols)
     if donate and method == "standard" and X.dtype == work_dtype and X.is_contiguous():
-        # A temporary already in place: iterated as it lies, a tall one on its short side
-        # (X^T X), which equals the wide iteration on its transpose up to rounding.
-        return _newton_schulz_(X, schedule, norm, method).reshape(*batch_shape, rows, cols)
+        return X, False
     tall = rows > cols
-    # The one full-size copy: laid wide and cast to the work dtype in the same pass, so that
-    # orthogonalize(G^T) is exactly orthogonalize(G)^T.
-    X = (X.mT if tall else X).to(work_dtype, memory_format=torch.contiguous_format, copy=True)
-    X = _newton_schulz_(X, schedule, norm, method)  # (K, m, n), m <= n
-    if tall:
-        X = X.mT
-    return X.reshape(*batch_shape, rows, cols)
-
-
-def _method_and_dtype(
-    method: str, rows: int, cols: int, dtype: torch.dtype | str | None, like: Tensor
-) -> tuple[str, torch.dtype]:
-    work_dtype = resolve_ns_dtype(dtype, like.device, like.dtype)
-    method = resolve_ns_method(method, rows, cols, work_dtype)
-    if method == "gram" and work_dtype not in (torch.float32, torch.float64):
-        # Half precision breaks Gram Newton-Schulz: rounding gives R spurious negative
-        # eigenvalues that the polynomial then amplifies (Zhang et al. 2026, who restart
-        # to contain it in fp16); float32 needs no such care at 5 steps.
-        work_dtype = torch.float32
-    return method, work_dtype
+    return (X.mT if tall else X).to(work_dtype, memory_format=torch.contiguous_format, copy=True), tall
 
 
 def _newton_schulz_(
@@ -598,9 +481,9 @@ def _newton_schulz_(
     # CUDA) and only the (K, 1, 1) result is rounded to bf16 (2^-9 relative, which the safety
     # factor absorbs, and what torch.optim.Muon does); asking for dtype=float32 instead would
     # convert the whole of X first, a full-size pass. The scalar arithmetic then runs in fp32.
-    acc = torch.promote_types(X.dtype, torch.float32)
+    acc = torch.float64 if X.dtype == torch.float64 else torch.float32
     fro = torch.linalg.vector_norm(X, dim=(-2, -1), keepdim=True).to(acc)
-    X.div_(norm.divisor_(fro).to(X.dtype))
+    X.div_(prescale_divisor_(fro, norm).to(X.dtype))
     if method == "gram":
         return _gram_newton_schulz(X, schedule)
     if X.shape[0] == 1:
@@ -626,6 +509,74 @@ def _newton_schulz_(
             torch.baddbmm(X, B, X, beta=a, out=Y)
         X, Y = Y, X
     return X
+
+
+# A product S S^T of a k x n matrix S is cut in blocks from k = 384 and, in bf16 or fp16,
+# n = 768 (measured in bf16: 384 x 384 loses 2-17%, 384 x 768 moves between -8% and +9%,
+# 384 x 1152 on gains 2-12%, 768 x 768 10-15%; float32 gains 8-32% from 384 x 384 on).
+SYMMETRIC_MIN_SHORT_SIDE = 384
+SYMMETRIC_MIN_LONG_SIDE = 768  # half precision only; float32 and float64 from 384
+
+_FULL_PRECISION = (torch.float32, torch.float64)
+
+
+def symmetric_blocks(short: int, long: int, dtype: torch.dtype, device: torch.device) -> tuple[bool, bool]:
+    """``(Gram product by blocks, square by blocks)`` for a ``short x long`` matrix iterated alone.
+
+    On the CPU, a product ``S S^T`` of a ``k x n`` ``S`` is cut where ``k >=
+    SYMMETRIC_MIN_SHORT_SIDE`` and, in half precision, ``n >= SYMMETRIC_MIN_LONG_SIDE``:
+    the Gram product is ``short x long``, the square ``short x short``.
+    """
+    if device.type != "cpu" or short < SYMMETRIC_MIN_SHORT_SIDE:
+        return False, False
+    min_long = SYMMETRIC_MIN_SHORT_SIDE if dtype in _FULL_PRECISION else SYMMETRIC_MIN_LONG_SIDE
+    return long >= min_long, short >= min_long
+
+
+class SymmetricProduct:
+    """``out <- beta C + alpha L R`` for a product ``L R`` known to be symmetric, block views cut once.
+
+    ``L R`` is ``S S^T`` (the Gram matrix: ``L = S``, ``R = S^T``) or ``A A`` (the square of a
+    symmetric ``A``: ``L = R = A``); ``C`` is symmetric, or None for ``beta = 0``. With
+    ``blocks`` the product is made as its three blocks ``L[r] R[:, c]`` (rows ``r``, columns
+    ``c`` of the two halves) and the lower one mirrored: each block is the dense product's
+    own sub-block, the same operands in the same order. Without, one dense call, exactly
+    what the batched iteration runs (so a matrix rounds alike whether stacked or alone).
+
+    Newton-Schulz repeats the same products on the same buffers at every step: the views
+    are cut here once (a view costs microseconds of Python; a step's products on a
+    384-wide matrix take a few hundred) and each call only runs the matmuls.
+    """
+
+    def __init__(self, L: Tensor, R: Tensor, out: Tensor, blocks: bool, C: Tensor | None = None) -> None:
+        whole = slice(None)
+        h = L.shape[0] // 2
+        top, bottom = slice(None, h), slice(h, None)
+        pairs = [(top, top), (top, bottom), (bottom, bottom)] if blocks else [(whole, whole)]
+        # (L_r, R_c, out_rc, C_rc): (h, n), (n, h), (h, h), (h, h) for the top-left block
+        self._calls = [(L[r], R[:, c], out[r, c], None if C is None else C[r, c]) for r, c in pairs]
+        self._mirror = (out[bottom, top], out[top, bottom].mT) if blocks else None
+
+    def __call__(self, beta: float = 0.0, alpha: float = 1.0) -> None:
+        for Lr, Rc, out, C in self._calls:
+            if C is None:
+                torch.mm(Lr, Rc, out=out)
+            else:
+                torch.addmm(C, Lr, Rc, beta=beta, alpha=alpha, out=out)
+        if self._mirror is not None:
+            self._mirror[0].copy_(self._mirror[1])
+
+
+def gram_(S: Tensor, out: Tensor, blocks: bool) -> Tensor:
+    """``out <- S S^T`` for a ``(k, n)`` matrix ``S`` (any strides); with ``blocks``, three row-block products."""
+    SymmetricProduct(S, S.mT, out, blocks)()
+    return out
+
+
+def square_(A: Tensor, out: Tensor, b: float, c: float, blocks: bool) -> Tensor:
+    """``out <- b A + c A A`` for a symmetric ``(k, k)`` ``A``; blocks as ``gram_``."""
+    SymmetricProduct(A, A, out, blocks, C=A)(b, c)
+    return out
 
 
 def _iterate_2d(X: Tensor, schedule: list[Coefficients]) -> Tensor:
@@ -704,55 +655,105 @@ def stacks(rows: int, cols: int, work_dtype: torch.dtype, device: torch.device) 
     )
 
 
-class _Plan(NamedTuple):
-    """``orthogonalize_many``'s plan for a list of matrices."""
+class NSPlan(NamedTuple):
+    """Newton-Schulz's plan for a list of matrices: made once (``plan_matrices``), read by every stage that needs it.
 
+    A Muon round makes it from its gradients before the updates exist: the momentum stage
+    reads ``donated`` (the dtype to make each update in), ``orthogonalize_many`` runs the
+    stacks and the matrices alone, and nothing is worked out twice.
+    """
+
+    schedule: list[Coefficients]
+    """The (a, b, c) of every step."""
+    norm: Normalization | FlooredNormalization
+    """The pre-scaling."""
+    how: list[tuple[str, torch.dtype] | None]
+    """Per matrix, ``(method, work dtype)``; None for what is not a non-empty matrix."""
     alone: list[int]
     """Indices iterated one by one, in order."""
     stacks: dict[tuple, list[int]]
     """Indices per stack, keyed ``(short side, long side, device, dtype, method, work dtype)``."""
-    resolved: list[tuple[str, torch.dtype] | None]
-    """Per matrix, ``(method, work dtype)``; None for what is not a non-empty 2-D matrix."""
+    donated: list[torch.dtype]
+    """Per matrix, the dtype to make a temporary in that ``orthogonalize_many(donate=True)`` will take: the work
+    dtype for a matrix that runs alone with the standard iteration (iterated in place, no staging copy); its own
+    dtype otherwise (a stacked matrix is cast by the copy into its stack, and Gram Newton-Schulz raises half
+    precision to float32, so its input keeps full precision)."""
+    multi_shapes: Collection[tuple[int, int]]
+    """The ``(short side, long side)`` the caller's other calls hold more of: a stack of one of these shapes
+    runs beside a zero partner, as a stack of several would."""
 
 
-def _plan(
-    matrices: Sequence[Tensor],
-    dtype: torch.dtype | str | None,
-    method: str,
+def plan_matrices(
+    matrices: Sequence[Tensor | MatrixSpec],
+    steps: int = 5,
+    coefficients: str | Sequence[float] | Sequence[Sequence[float]] = "polar_express",
+    dtype: torch.dtype | str | None = None,
+    method: str = "standard",
     multi_shapes: Collection[tuple[int, int]] = (),
-) -> _Plan:
-    check_ns_method(method)
-    buckets: dict[tuple, list[int]] = {}
+    eps: float | None = None,
+    batch: bool = False,
+) -> NSPlan:
+    """How ``orthogonalize_many`` will run ``matrices`` (tensors, or ``MatrixSpec``s: only shapes, dtypes and
+    devices are read, so a caller can plan before the matrices exist).
+
+    Matrices are bucketed by (short side, long side, device, dtype, method, work dtype); a tall
+    matrix joins the bucket of its transpose. Those of the kinds ``stacks`` admits run stacked;
+    a stack of one past ``BATCH_MAX_ELEMENTS`` runs alone (the same iteration without the copy,
+    in place when donated), except where its ``(short side, long side)`` is in
+    ``multi_shapes`` (the caller's other calls hold more of its shape): there it stays a stack,
+    as in those calls. ``batch``: one ``(..., rows, cols)`` tensor, whose batch is its own stack.
+    """
+    schedule, norm = resolve_coefficients(coefficients, steps, eps)
+    if method not in NS_METHODS:
+        check_ns_method(method)  # the error
+    stacked: dict[tuple, list[int]] = {}
     alone: list[int] = []
-    resolved: list[tuple[str, torch.dtype] | None] = []
-    # (shape, device, dtype) -> ((method, work dtype), stack key or None): one answer per kind
-    kinds: dict[tuple, tuple[tuple[str, torch.dtype], tuple | None]] = {}
+    how: list[tuple[str, torch.dtype] | None] = []
+    donated: list[torch.dtype] = []
+    # (shape, device, dtype) -> ((method, work dtype) or None, stack key or None): one answer per kind
+    kinds: dict[tuple, tuple[tuple[str, torch.dtype] | None, tuple | None]] = {}
     for i, M in enumerate(matrices):
-        if M.ndim != 2 or M.numel() == 0:
-            alone.append(i)
-            resolved.append(None)
-            continue
-        kind = (*M.shape, M.device, M.dtype)
+        shape = tuple(M.shape)
+        donated.append(M.dtype)
+        kind = (shape, M.device, M.dtype)
         if kind not in kinds:
-            rows, cols = M.shape
-            bucket_method, work_dtype = _method_and_dtype(method, rows, cols, dtype, M)
-            stacked = stacks(rows, cols, work_dtype, M.device)
-            key = (min(rows, cols), max(rows, cols), *kind[2:], bucket_method, work_dtype) if stacked else None
-            kinds[kind] = ((bucket_method, work_dtype), key)
-        how, key = kinds[kind]
-        resolved.append(how)
+            resolved = key = None  # not a non-empty matrix: nothing to iterate
+            if len(shape) >= 2 and 0 not in shape:
+                rows, cols = shape[-2:]
+                work_dtype = resolve_ns_dtype(dtype, M.device, M.dtype)
+                kind_method = resolve_ns_method(method, rows, cols, work_dtype)
+                if kind_method == "gram" and work_dtype not in (torch.float32, torch.float64):
+                    # Half precision breaks Gram Newton-Schulz: rounding gives R spurious negative
+                    # eigenvalues that the polynomial then amplifies (Zhang et al. 2026, who restart
+                    # to contain it in fp16); float32 needs no such care at 5 steps.
+                    work_dtype = torch.float32
+                resolved = (kind_method, work_dtype)
+                # Inputs with batch dims are one item each; ``batch``'s one tensor is its own stack.
+                if len(shape) == 2 and not batch and stacks(rows, cols, work_dtype, M.device):
+                    key = (min(rows, cols), max(rows, cols), M.device, M.dtype, *resolved)
+            kinds[kind] = (resolved, key)
+        resolved, key = kinds[kind]
+        how.append(resolved)
         if key is None:
             alone.append(i)
         else:
-            buckets.setdefault(key, []).append(i)
-    # A stack of one past ``BATCH_MAX_ELEMENTS`` runs alone: the same iteration without the
-    # copy, in place when donated. Not where its shape has company elsewhere in the step
-    # (``multi_shapes``): there it stays a stack, as in the step's other rounds.
-    lone = [key for key, idx in buckets.items() if len(idx) == 1 and key[0] * key[1] > BATCH_MAX_ELEMENTS]
-    for key in lone:
+            stacked.setdefault(key, []).append(i)
+    for key in [k for k, idx in stacked.items() if len(idx) == 1 and k[0] * k[1] > BATCH_MAX_ELEMENTS]:
         if (key[0], key[1]) not in multi_shapes:
-            alone += buckets.pop(key)
-    return _Plan(sorted(alone), buckets, resolved)
+            alone += stacked.pop(key)
+    alone.sort()
+    for i in alone:
+        if how[i] is not None and how[i][0] == "standard":
+            donated[i] = how[i][1]
+    return NSPlan(schedule, norm, how, alone, stacked, donated, multi_shapes)
+
+
+class MatrixSpec(NamedTuple):
+    """What ``plan_matrices`` reads of a matrix that does not exist yet."""
+
+    shape: tuple[int, ...]
+    dtype: torch.dtype
+    device: torch.device
 
 
 def runs_alone(
@@ -761,52 +762,24 @@ def runs_alone(
     method: str = "standard",
     multi_shapes: Collection[tuple[int, int]] = (),
 ) -> list[bool]:
-    """Per matrix, whether ``orthogonalize_many`` iterates it alone rather than in a stack.
+    """Per matrix, whether ``orthogonalize_many`` iterates it alone rather than in a stack (``plan_matrices``)."""
+    alone = set(plan_matrices(matrices, dtype=dtype, method=method, multi_shapes=multi_shapes).alone)
+    return [i in alone for i in range(len(matrices))]
 
-    Only the shapes, dtypes and devices are read, so a caller can ask before the matrices exist.
+
+def ns_wire_dtype(updates: Sequence[Tensor], dtype: torch.dtype | str | None) -> torch.dtype | None:
+    """The dtype ``updates`` may travel in to Newton-Schulz without loss: its work dtype where narrower, else None.
+
+    Newton-Schulz casts its input to the work dtype first and returns values of that dtype,
+    so sending either in it rounds nothing more (a sharding's ``wire_dtype``).
     """
-    flags = [False] * len(matrices)
-    for i in _plan(matrices, dtype, method, multi_shapes).alone:
-        flags[i] = True
-    return flags
-
-
-def donated_dtypes(
-    matrices: Sequence[Tensor],
-    dtype: torch.dtype | str | None = None,
-    method: str = "standard",
-    multi_shapes: Collection[tuple[int, int]] = (),
-) -> list[torch.dtype]:
-    """Per matrix, the dtype to make a temporary in that ``orthogonalize_many(donate=True)`` will take.
-
-    The work dtype for a matrix that runs alone with the standard iteration: it is iterated
-    in place, with no staging copy. Its own dtype otherwise: a stacked matrix is cast by the
-    copy into its stack (made in the work dtype, it would cost a pass more), and Gram
-    Newton-Schulz raises half precision to float32, so its input keeps full precision. Only
-    the shapes, dtypes and devices are read (``Muon`` asks with the gradients, then makes the
-    Nesterov updates).
-    """
-    out = [M.dtype for M in matrices]
-    plan = _plan(matrices, dtype, method, multi_shapes)
-    for i in plan.alone:
-        how = plan.resolved[i]
-        if how is not None and how[0] == "standard":
-            out[i] = how[1]
-    return out
-
-
-def _stacks_of(idx: list[int], max_bytes: int | None, per_matrix: int) -> list[list[int]]:
-    """``idx`` cut into stacks of at most ``max_bytes`` (None: one stack), none of one matrix unless ``idx`` is.
-
-    A last stack of one joins the one before it (a stack of two takes the batched products'
-    kernel of every larger stack; one alone would take another, see ``orthogonalize_many``).
-    """
-    size = len(idx) if max_bytes is None else max(2, max_bytes // per_matrix)
-    parts = [idx[start : start + size] for start in range(0, len(idx), size)]
-    if len(parts) > 1 and len(parts[-1]) == 1:
-        last = parts.pop()
-        parts[-1] += last
-    return parts
+    if not updates:
+        return None
+    base = updates[0].dtype
+    for u in updates[1:]:
+        base = torch.promote_types(base, u.dtype)
+    work = resolve_ns_dtype(dtype, updates[0].device, base)
+    return work if work.itemsize < base.itemsize else None
 
 
 def stack_bytes(rows: int, cols: int, work_dtype: torch.dtype) -> int:
@@ -826,50 +799,57 @@ def orthogonalize_many(
     max_stack_bytes: int | None = None,
     multi_shapes: Collection[tuple[int, int]] = (),
     eps: float | None = None,
+    plan: NSPlan | None = None,
 ) -> list[Tensor]:
     """``[orthogonalize(M) for M in matrices]``, with same-shape matrices batched where that pays.
 
-    Matrices are bucketed by (short side, long side, device, dtype, method, work dtype); a
-    tall matrix joins the bucket of its transpose. Matrices of the kinds ``stacks`` admits
-    (up to ``BATCH_MAX_ELEMENTS`` elements, more on a GPU and in half precision on a CPU)
-    run the batched iteration, stacked with their bucket in stacks of at most
-    ``max_stack_bytes`` (``stack_bytes`` per matrix; None: one stack per bucket), but at
-    least two. A matrix alone in its bucket runs the 2-D iteration (in place when donated and
-    past ``BATCH_MAX_ELEMENTS``), unless its ``(short side, long side)`` is in
-    ``multi_shapes`` (the caller's other calls hold more of its shape): then it runs as a
-    stack of one beside a zero matrix. Batched products give a matrix the same bits in any
-    stack of two or more, so every result is then the same however a step cuts its matrices
-    into calls (``step_memory``). Other matrices run one by one (``runs_alone`` says which).
-    Inputs with batch dims are treated as one item. ``method`` is resolved per matrix, as ``orthogonalize`` does.
-    ``keep_work_dtype=True`` returns each result in the dtype it was computed in (bf16 on
-    a fast-bf16 device) instead of casting it back: the caller adds it into the parameter
-    in one pass (``muon_apply_``), where a cast would be a second full-size pass.
-    ``donate=True``: the matrices are temporaries the caller gives up (``Muon``'s Nesterov
-    update, made in the work dtype); one that runs alone and is already contiguous in that
-    dtype is iterated in place, with no copy; a list's
-    entries are set to None as they are consumed (copied into a stack, or iterated), so that
-    each temporary is freed as soon as nothing needs it. ``eps``: the pre-scaling's floor, as in ``orthogonalize``.
+    How is ``plan_matrices``' answer (``plan``, made by the caller from the same matrices, or
+    made here from the other arguments). Stacks hold at most ``max_stack_bytes``
+    (``stack_bytes`` per matrix; None: one stack per bucket), but at least two: batched
+    products give a matrix the same bits in any stack of two or more, so every result is the
+    same however a step cuts its matrices into calls (``step_memory``). A stack of one that
+    stands for a larger one (``multi_shapes``) runs beside a zero matrix. Inputs with batch
+    dims are one item each.
+
+    ``keep_work_dtype=True`` returns each result in the dtype it was computed in (bf16 on a
+    fast-bf16 device) instead of casting it back: the caller adds it into the parameter in one
+    pass (``muon_apply_``), where a cast would be a second full-size pass. ``donate=True``: the
+    matrices are temporaries the caller gives up (``Muon``'s Nesterov update, made in the
+    plan's ``donated`` dtype); one that runs alone and is already contiguous in that dtype is
+    iterated in place, with no copy; a list's entries are set to None as they are consumed, so
+    that each temporary is freed as soon as nothing needs it. ``eps``: the pre-scaling's floor,
+    as in ``orthogonalize``.
     """
-    schedule, norm = resolve_coefficients(coefficients, steps, eps)
-    check_ns_method(method)
+    if plan is None:
+        plan = plan_matrices(matrices, steps, coefficients, dtype, method, multi_shapes, eps)
     out: list[Tensor | None] = [None] * len(matrices)
     release = donate and isinstance(matrices, list)
-    alone, buckets, _ = _plan(matrices, dtype, method, multi_shapes)
-    for i in alone:
-        M = matrices[i]
-        result = _orthogonalize(M, steps, coefficients, dtype, method, donate, eps)
+    for i in plan.alone:
+        M, how = matrices[i], plan.how[i]
+        if how is None:  # an empty matrix
+            result = torch.zeros_like(M)
+        else:
+            X, wide = _iterand(M, *how, donate)
+            X = _newton_schulz_(X, plan.schedule, plan.norm, how[0])  # (K, m, n)
+            result = (X.mT if wide else X).reshape(M.shape)
         out[i] = result if keep_work_dtype else result.to(M.dtype)
         if release:
             matrices[i] = None  # released: its memory can serve the next matrix
-    for (m, n, _, _, bucket_method, work_dtype), idx in buckets.items():
-        for part in _stacks_of(idx, max_stack_bytes, stack_bytes(m, n, work_dtype)):
-            device, out_dtype = matrices[part[0]].device, matrices[part[0]].dtype
+    for (m, n, device, out_dtype, bucket_method, work_dtype), idx in plan.stacks.items():
+        size = len(idx)
+        if max_stack_bytes is not None and size > 2:  # stacks of at least two: only a larger one is cut
+            size = max(2, max_stack_bytes // stack_bytes(m, n, work_dtype))
+        parts = [idx[start : start + size] for start in range(0, len(idx), size)]
+        if len(parts) > 1 and len(parts[-1]) == 1:  # a last stack of one joins the one before it
+            last = parts.pop()
+            parts[-1] += last
+        for part in parts:
             # One copy into the stack, cast to the work dtype and laid wide on the way. A stack
             # of one that stands for a larger one gets a zero partner (it stays zero): a batched
             # product of one matrix takes another kernel than of several (on a CPU, with other
             # last bits), and the partner keeps the kernel of its shape's other stacks.
-            partner = len(part) == 1 and (m, n) in multi_shapes
-            X = torch.empty(len(part) + partner, m, n, dtype=work_dtype, device=device)
+            partner = len(part) == 1 and (m, n) in plan.multi_shapes
+            X = torch.empty(len(part) + partner, m, n, dtype=work_dtype, device=device)  # (K, m, n)
             if partner:
                 X[1].zero_()
             wide = []
@@ -878,7 +858,7 @@ def orthogonalize_many(
                 X[k].copy_(matrices[i] if wide[-1] else matrices[i].mT)
                 if release:
                     matrices[i] = None
-            result = _newton_schulz_(X, schedule, norm, bucket_method)  # (K, m, n)
+            result = _newton_schulz_(X, plan.schedule, plan.norm, bucket_method)  # (K, m, n)
             if not keep_work_dtype:
                 result = result.to(out_dtype)
             for k, i in enumerate(part):

@@ -31,13 +31,11 @@ from typing import Literal
 import torch
 
 from lightning_muon.algorithms.checks import HparamError
-from lightning_muon.layout import MatrixLayout
 
 __all__ = [
     "AUTO_STEP_MEMORY_MB",
     "StepMemory",
     "check_step_memory_mb",
-    "matrix_working_bytes",
     "plan_rounds",
     "step_memory_bytes",
 ]
@@ -68,21 +66,6 @@ def step_memory_bytes(setting: StepMemory, device: torch.device | str) -> int | 
     if setting == "auto":
         setting = AUTO_STEP_MEMORY_MB.get(torch.device(device).type, _OTHER_DEVICES_MB)
     return int(float(setting) * 2**20)
-
-
-def matrix_working_bytes(shape: Sequence[int], layout: MatrixLayout, dtype: torch.dtype, work: torch.dtype) -> int:
-    """Estimated bytes one parameter of ``shape`` holds during a step: update, result and Newton-Schulz workspace.
-
-    The Nesterov update in the parameter's dtype, the result in the work dtype, and per
-    matrix the iterate (``m n``) and the two Gram-sized buffers (``2 k^2``, k the short side).
-    """
-    numel = math.prod(shape)
-    workspace = 0
-    for piece in layout.piece_shapes(tuple(shape)):
-        *batch, rows, cols = piece
-        k = min(rows, cols)
-        workspace += math.prod(batch) * (rows * cols + 2 * k * k) * work.itemsize
-    return numel * (dtype.itemsize + work.itemsize) + workspace
 
 
 def plan_rounds(

@@ -376,8 +376,8 @@ def test_half_precision_stacks_past_the_common_bound_and_equal_one_by_one(monkey
     assert ns.runs_alone(mats, dtype=torch.float32) == [True] * 7  # float32 keeps the common bound
     # A donated temporary is made in the work dtype where it runs alone (in place), in its own
     # where a stack's copy casts it, and in its own for Gram Newton-Schulz (float32 work).
-    assert ns.donated_dtypes(mats, dtype=torch.bfloat16) == [torch.float32] * 4 + [torch.bfloat16] * 3
-    assert ns.donated_dtypes(mats, dtype=torch.bfloat16, method="gram") == [torch.float32] * 7
+    assert ns.plan_matrices(mats, dtype=torch.bfloat16).donated == [torch.float32] * 4 + [torch.bfloat16] * 3
+    assert ns.plan_matrices(mats, dtype=torch.bfloat16, method="gram").donated == [torch.float32] * 7
     for M, Q in zip(mats, out):
         assert Q.shape == M.shape and Q.dtype == M.dtype
         # A stack's products are its matrices' own (bmm against mm): equal here, and at most

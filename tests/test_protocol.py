@@ -79,16 +79,16 @@ def test_every_per_matrix_job_runs_through_map_whole(algorithm):
 
 def test_base_sharding_agrees_on_finiteness_and_names_the_parameter():
     params, opt = _model()
-    sharding = _one_rank_sharding(opt)
+    _one_rank_sharding(opt)  # attached: the agreement goes through it
     _grads(params, 0)
     params[1].grad[2, 3] = float("inf")
-    verdict = sharding.agree_finite()
+    verdict = opt.finite_checks.agree()
     assert not verdict.finite and not verdict.local_finite
     assert verdict.culprit == "param group 0 ('muon'), parameter 1 of shape (5, 6)"
     with pytest.raises(FloatingPointError, match=r"non-finite gradient in param group 0 \('muon'\), parameter 1"):
         opt.step()  # uses the agreement made above, then forgets it
     params[1].grad.zero_()
-    assert sharding.step_finite().finite  # a new agreement: the gradients are finite now
+    assert opt.finite_checks.agree().finite  # a new agreement: the gradients are finite now
 
 
 def test_a_sharding_attaches_only_to_its_own_optimizer():

@@ -13,13 +13,9 @@ from torch.distributed._tools.mem_tracker import MemTracker
 
 from lightning_muon import Muon, MuonConfig, MuonHyperballSettings, StateSettings
 from lightning_muon.algorithms import HparamError
+from lightning_muon.algorithms.muon import matrix_working_bytes
 from lightning_muon.layout import MatrixLayout
-from lightning_muon.step_memory import (
-    AUTO_STEP_MEMORY_MB,
-    matrix_working_bytes,
-    plan_rounds,
-    step_memory_bytes,
-)
+from lightning_muon.step_memory import AUTO_STEP_MEMORY_MB, plan_rounds, step_memory_bytes
 
 sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from benchlib.step_table import gpt_parameters

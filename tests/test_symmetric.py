@@ -8,9 +8,8 @@ from __future__ import annotations
 import pytest
 import torch
 
-import lightning_muon.symmetric as sym
-from lightning_muon.newton_schulz import orthogonalize, orthogonalize_many
-from lightning_muon.symmetric import gram_, square_, symmetric_blocks
+import lightning_muon.newton_schulz as sym
+from lightning_muon.newton_schulz import gram_, orthogonalize, orthogonalize_many, square_, symmetric_blocks
 
 pytestmark = [pytest.mark.numerics, pytest.mark.policy_free]  # policy_free: see conftest.py
 

@@ -140,6 +140,7 @@ def _band_run(rank: int, world: int) -> dict[str, torch.Tensor]:
     from torch.distributed.tensor import Shard, distribute_tensor
 
     from lightning_muon.distributed.fsdp import MuonFSDPSharding
+    from lightning_muon.functional import muon_orthogonalize
     from lightning_muon.layout import layout_of
 
     mesh = init_device_mesh("cpu", (world,))
@@ -151,8 +152,14 @@ def _band_run(rank: int, world: int) -> dict[str, torch.Tensor]:
         opt = Muon([{"params": [p], "ns_coefficients": name, "ns_steps": steps, "ns_dtype": "float64"}])
         group = opt.param_groups[0]
         kwargs = {k: group[k] for k in ("ns_steps", "ns_coefficients", "ns_dtype", "ns_method")}
-        (pieces,) = MuonFSDPSharding(opt).orthogonalize([p], [distribute_tensor(G, mesh, [Shard(0)])],
-                                                        layout=layout_of(group), **kwargs)  # fmt: skip
+        layout = layout_of(group)
+
+        def newton_schulz(indices, wholes, layout=layout, kwargs=kwargs):
+            return muon_orthogonalize([w[0] for w in wholes], layout=layout, **kwargs, keep_work_dtype=True)
+
+        (pieces,) = MuonFSDPSharding(opt).map_whole(
+            [p], [[distribute_tensor(G, mesh, [Shard(0)])]], newton_schulz, layout=layout
+        )
         out[name] = pieces[0].full_tensor()
     return out
 

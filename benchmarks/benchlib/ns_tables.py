@@ -28,19 +28,17 @@ from lightning_muon.newton_schulz import (
     GRAM_MIN_SHORT_SIDE,
     HALF_BATCH_MAX_ELEMENTS,
     HALF_BATCH_MAX_SHORT_SIDE,
+    SYMMETRIC_MIN_LONG_SIDE,
+    SYMMETRIC_MIN_SHORT_SIDE,
     bf16_matmul_is_fast,
+    gram_,
     ns_flops,
     orthogonalize,
     orthogonalize_many,
     resolve_ns_dtype,
     resolve_ns_method,
-    stacks,
-)
-from lightning_muon.symmetric import (
-    SYMMETRIC_MIN_LONG_SIDE,
-    SYMMETRIC_MIN_SHORT_SIDE,
-    gram_,
     square_,
+    stacks,
     symmetric_blocks,
 )
 
@@ -457,7 +455,7 @@ def bench_symmetric(settings: Settings) -> dict[str, Any]:
             )
     print("\n== symmetric: Gram and square products of Newton-Schulz, dense vs 2 x 2 blocks ==")
     print(
-        "blocks/dense: time ratio (calls alternated, medians); picks: lightning_muon.symmetric.symmetric_blocks "
+        "blocks/dense: time ratio (calls alternated, medians); picks: lightning_muon.newton_schulz.symmetric_blocks "
         f"(a product S S^T of k x n S in blocks where k >= {SYMMETRIC_MIN_SHORT_SIDE} and, in bf16/fp16, n >= "
         f"{SYMMETRIC_MIN_LONG_SIDE}: the Gram product is k x long, the square k x k; CPU only)"
     )

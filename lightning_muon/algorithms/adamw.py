@@ -144,6 +144,9 @@ class AdamW(Algorithm):
         """The group's keywords ``rule`` takes beyond Adam's (none for AdamW; LaProp's flags)."""
         return {}
 
+    def init_state(self, ctx: StepContext, group: dict[str, Any], params: list[Tensor]) -> None:
+        adam_moments(ctx, params)
+
     def step_group(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
         """Step ``params`` with ``grads``; of ``ctx`` only ``state`` and ``config`` (the state dtypes) are used."""
         beta1, beta2 = group["betas"]

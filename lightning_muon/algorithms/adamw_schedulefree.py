@@ -18,6 +18,7 @@ import weakref
 from dataclasses import dataclass
 from typing import Any
 
+import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
@@ -31,6 +32,7 @@ __all__ = [
     "SCHEDULE_FREE_ADAMW",
     "ScheduleFreeAdamW",
     "ScheduleFreeSettings",
+    "eval_mode_error",
     "schedule_free_groups",
     "schedule_free_training",
     "schedulefree",
@@ -67,6 +69,16 @@ def schedulefree() -> Any:
     return schedulefree
 
 
+def eval_mode_error(index: int, group: dict[str, Any]) -> RuntimeError:
+    """The error of a step with a schedule-free group in eval mode (its parameters hold the averaged weights)."""
+    return RuntimeError(
+        f"Muon: param group {index} ({group.get('name', SCHEDULE_FREE)!r}) is schedule-free and in eval mode "
+        "(its parameters hold the averaged weights); call optimizer.train() before step() and "
+        "optimizer.eval() before evaluating or saving (under Lightning, MuonModuleMixin adds "
+        "ScheduleFreeModeSwitch, which does both)"
+    )
+
+
 def schedulefree_group(params: list, knobs: dict[str, Any]) -> dict[str, Any]:
     """What ``AdamWScheduleFree`` puts in a group of its own (step count ``k``, ``weight_sum``,
     ``lr_max``, ``train_mode``, ...), taken from the package rather than copied here."""
@@ -96,22 +108,14 @@ class ScheduleFreeAdamW(Algorithm):
             group.setdefault(key, value)
         momentum_readout(group)
 
-    def prepare_step(self, ctx: StepContext, groups: list[dict[str, Any]]) -> None:
-        if ctx.creates_state:
-            # A new optimizer's groups are in eval mode, and the package steps in train mode
-            # only; this step moves nothing, and Muon gives every group its own mode back.
-            for group in groups:
-                group["train_mode"] = True
-            return
-        for group in groups:
-            if not group["train_mode"]:
-                i = ctx.group_index(group)
-                raise RuntimeError(
-                    f"Muon: param group {i} ({group.get('name', SCHEDULE_FREE)!r}) is schedule-free and in eval mode "
-                    "(its parameters hold the averaged weights); call optimizer.train() before step() and "
-                    "optimizer.eval() before evaluating or saving (under Lightning, MuonModuleMixin adds "
-                    "ScheduleFreeModeSwitch, which does both)"
-                )
+    def init_state(self, ctx: StepContext, group: dict[str, Any], params: list[Tensor]) -> None:
+        """What ``AdamWScheduleFree`` makes at a parameter's first step: ``z`` (the parameter's copy) and
+        ``exp_avg_sq`` (zeros)."""
+        for p in params:
+            entry = ctx.state[p]
+            if "z" not in entry:
+                entry["z"] = torch.clone(p, memory_format=torch.preserve_format)
+                entry["exp_avg_sq"] = torch.zeros_like(p, memory_format=torch.preserve_format)
 
     def step_group(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
         """Nothing per group: ``finish_step`` steps every schedule-free group at once."""

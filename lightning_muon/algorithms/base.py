@@ -11,9 +11,10 @@ checks), what a new group needs, and how to step a group::
         algorithm.check(group's own values)              # aliases renamed; a bad value names the key
         algorithm.init_group(group, params)              # shapes, derived keys
     Muon.step()
-        algorithm.prepare_step(ctx, groups)              # per algorithm in use, before the closure
-        algorithm.step_group(ctx, group, params, grads)  # per group, in group order
-        algorithm.finish_step(ctx, groups)               # per algorithm, after every group
+        algorithm.step_group(ctx, group, params, grads)  # per group, in group order: init_state, then the update
+        algorithm.finish_step(ctx, groups)               # per algorithm that has one, after every group
+    torch's distributed checkpoint, on a new optimizer
+        algorithm.init_state(ctx, group, params)         # per group: the state, and nothing moves
 
 ``ctx`` is the optimizer's ``StepContext``: its state, its settings, the sharding and the
 update hooks, and nothing else of it.
@@ -48,6 +49,7 @@ if TYPE_CHECKING:
     from lightning_muon.distributed.protocol import Sharding
 
 __all__ = [
+    "ALGORITHMS",
     "Algorithm",
     "SettingsSource",
     "StepContext",
@@ -71,61 +73,53 @@ class SettingsSource(Protocol):
 
 
 class StepContext:
-    """What an algorithm's step may use of its optimizer: state, settings, sharding and update hooks.
+    """What an algorithm's step may use of its optimizer: state, settings, sharding, update hooks, memory cap.
 
-    ``Muon`` makes one for its lifetime and hands it to every ``Algorithm`` method that
-    steps; the algorithm sees nothing else of the optimizer. The attributes are read
-    through, so they follow ``load_state_dict`` (a new state dict) and ``attach_sharding``.
-    It is a weak-referenceable, hashable handle: an algorithm may key per-optimizer caches
-    by it (Schedule-Free keeps its inner optimizer so).
+    ``Muon`` makes one for its lifetime and sets its attributes at the start of every step
+    (so they follow ``load_state_dict``, which replaces the state, and ``attach_sharding``); it
+    hands it to every ``Algorithm`` method that steps, and the algorithm sees nothing else of the
+    optimizer. It is a weak-referenceable, hashable handle: an algorithm may key per-optimizer
+    caches by it (Schedule-Free keeps its inner optimizer so).
     """
 
-    __slots__ = ("_optimizer", "__weakref__")
+    __slots__ = ("state", "config", "sharding", "update_hooks", "caps", "groups", "__weakref__")
 
-    def __init__(self, optimizer: Any) -> None:
-        self._optimizer = optimizer
-
-    @property
-    def state(self) -> Any:
+    def __init__(self) -> None:
+        self.state: Any = None
         """The per-parameter state (``optimizer.state``: a ``defaultdict(dict)`` keyed by tensor), saved with it."""
-        return self._optimizer.state
-
-    @property
-    def config(self) -> Any:
+        self.config: Any = None
         """The optimizer's settings (``hparams.OptimizerConfig``): state dtypes, ``step_memory_mb``, ..."""
-        return self._optimizer.config
-
-    @property
-    def sharding(self) -> Sharding | None:
+        self.sharding: Sharding | None = None
         """The ``Sharding`` that splits per-matrix work across ranks, or None (one process)."""
-        return self._optimizer.sharding
+        self.update_hooks: dict[int, Any] = {}
+        """``Muon.register_update_hook``'s hooks, in registration order (empty: none)."""
+        self.caps: dict[str, int | None] = {}
+        """The step's memory cap in bytes per device type (``step_memory.step_memory_bytes``), resolved once."""
+        self.groups: list[dict[str, Any]] = []
+        """The optimizer's param groups (for messages: ``group_index``)."""
 
     def local_shard(self, t: Tensor) -> Tensor:
         """This rank's part of ``t`` (a DTensor's local shard under a sharding); ``t`` itself in one process."""
-        sharding = self._optimizer.sharding
-        return t if sharding is None else sharding.local_shard(t)
-
-    @property
-    def creates_state(self) -> bool:
-        """True in the step that only makes the state for a checkpoint load (torch's distributed checkpoint:
-        zero gradients at lr 0); ``Muon`` puts every parameter, mode and group key back after it
-        (``state_creation``)."""
-        return self._optimizer.creating_state
+        return t if self.sharding is None else self.sharding.local_shard(t)
 
     @property
     def has_update_hooks(self) -> bool:
         """True when an update hook is registered (``Muon.register_update_hook``)."""
-        return self._optimizer.has_update_hooks
+        return bool(self.update_hooks)
 
     def run_update_hooks(
         self, group: dict[str, Any], params: list[Tensor], updates: list[Tensor], ortho: list[list[Tensor]]
     ) -> None:
-        """Run the update hooks on one round of a matrix group's updates (``Muon.run_update_hooks``)."""
-        self._optimizer.run_update_hooks(group, params, updates, ortho)
+        """Call every update hook on one round of a matrix group's updates, in registration order.
+
+        A copy of the list: a hook may remove itself.
+        """
+        for hook in list(self.update_hooks.values()):
+            hook(group, params, updates, ortho)
 
     def group_index(self, group: dict[str, Any]) -> int:
         """The position of ``group`` among the optimizer's param groups (for messages)."""
-        return next(i for i, g in enumerate(self._optimizer.param_groups) if g is group)
+        return next(i for i, g in enumerate(self.groups) if g is group)
 
 
 def group_lr(group: Mapping[str, Any]) -> float:
@@ -215,15 +209,22 @@ class Algorithm:
 
     # ------------------------------------------------------------------ steps
 
-    def prepare_step(self, ctx: StepContext, groups: list[dict[str, Any]]) -> None:
-        """Before the step's closure runs, once per step for this algorithm's ``groups`` (all of them)."""
+    def init_state(self, ctx: StepContext, group: dict[str, Any], params: list[Tensor]) -> None:
+        """Make the state ``params`` (of ``group``) lack, moving nothing: torch's ``_init_group`` convention.
+
+        ``step_group`` calls it first; ``Muon`` calls it alone for every group when torch's
+        distributed checkpoint asks for a new optimizer's state (a step at zero gradients and lr
+        0), so a checkpoint can be loaded into it. The state it makes is the state a first step
+        would find: the same keys, shapes, dtypes and layouts.
+        """
 
     def step_group(self, ctx: StepContext, group: dict[str, Any], params: list[Tensor], grads: list[Tensor]) -> None:
         """Update ``params`` (those of ``group`` with a gradient, this rank's to step) from ``grads``."""
         raise NotImplementedError(f"algorithm {self.name!r} has no step_group")
 
-    def finish_step(self, ctx: StepContext, groups: list[dict[str, Any]]) -> None:
-        """After every group was stepped, once per step for this algorithm's ``groups``."""
+    finish_step: ClassVar[Any] = None
+    """None, or ``finish_step(ctx, groups)``: what runs once per step after every group was stepped, with all of
+    this algorithm's groups (Schedule-Free steps them together there)."""
 
     def train(self, ctx: StepContext, groups: list[dict[str, Any]]) -> None:
         """``Muon.train()``: the groups' parameters to their training values (a no-op unless overridden)."""
@@ -236,6 +237,9 @@ class Algorithm:
 
 
 _REGISTRY: dict[str, Algorithm] = {}
+ALGORITHMS: Mapping[str, Algorithm] = _REGISTRY
+"""Every registered algorithm by name, what ``Muon.step`` looks a group's ``"algorithm"`` up in (read it; add with
+``register_algorithm``)."""
 
 
 def register_algorithm(algorithm: Algorithm | type[Algorithm], *, replace: bool = False) -> Any:

@@ -20,7 +20,7 @@ The settings are the Newton-Schulz family's (``families.NewtonSchulzSettings``) 
 Emerging-Optimizers' defaults (``EO_DEFAULTS``); its constructor's names
 (``coefficient_type``, ``num_ns_steps``, ``scale_mode``) load through ``aliases``.
 ``fp32_matmul_prec`` (``"highest"``, ``"high"``, ``"medium"``) says what precision the
-group's float32 work runs in (``families.ns_dtype_for``, ``families.matmul_precision``).
+group's float32 work runs in (``muon.MuonHparams``).
 
 References:
     NVIDIA-NeMo Emerging-Optimizers 0.3.0, ``OrthogonalizedOptimizer`` and ``WeightDecayMixin``.
@@ -29,7 +29,7 @@ References:
 from __future__ import annotations
 
 from lightning_muon.algorithms.base import StepContext
-from lightning_muon.algorithms.muon import MuonAlgorithm
+from lightning_muon.algorithms.muon import MuonAlgorithm, MuonRound
 
 __all__ = ["EO_DEFAULTS", "EmergingVariant"]
 
@@ -54,6 +54,6 @@ class EmergingVariant(MuonAlgorithm):
     def update_scale(self, group: dict, fan_out: int, fan_in: int) -> float:
         return super().update_scale(group, fan_out, fan_in) * self.scale(group)
 
-    def apply_update(self, ctx: StepContext, group: dict, rnd) -> None:
+    def apply_update(self, ctx: StepContext, rnd: MuonRound, extra: float = 1.0) -> None:
         """``W <- decay(W) - lr adjust(fan_out, fan_in) extra_scale_factor scale O``, each piece with its own shape."""
-        self.apply(rnd.params, rnd.ortho, group, extra=self.scale(group))
+        super().apply_update(ctx, rnd, extra * self.scale(rnd.group))

@@ -16,7 +16,7 @@ A variant derives from one of these and declares only what is its own (``algorit
 algorithm's float32 work may run in: ``"highest"`` float32 Newton-Schulz and float32 matmuls,
 ``"high"`` float32 Newton-Schulz with TF32 matmuls where the device has them, ``"medium"`` the
 fastest safe dtype (``newton_schulz.resolve_ns_dtype``: bf16 where its matmul is fast). An
-``ns_dtype`` set by the user wins over it (``ns_dtype_for``).
+``ns_dtype`` set by the user wins over it (``algorithms.muon.MuonHparams``).
 """
 
 from __future__ import annotations
@@ -46,8 +46,6 @@ __all__ = [
     "TPMode",
     "WeightDecayMethod",
     "checked_betas",
-    "matmul_precision_of",
-    "ns_dtype_for",
 ]
 
 WeightDecayMethod = Literal["decoupled", "independent", "l2", "palm", "cautious"]
@@ -186,21 +184,5 @@ def checked_betas(settings: Settings, betas: Any, beta1_open: bool = False) -> B
     return (float(betas[0]), float(betas[1]))
 
 
-def ns_dtype_for(group: dict[str, Any]) -> str | None:
-    """The Newton-Schulz dtype of a group: its ``ns_dtype``, else float32 under ``fp32_matmul_prec`` "highest"
-    or "high", else None (the automatic choice)."""
-    if group.get("ns_dtype") is not None:
-        return group["ns_dtype"]
-    return "float32" if group.get("fp32_matmul_prec", "medium") in ("highest", "high") else None
-
-
 if set(choices_of(OrthogonalizedSettings, "adjust_lr")) != {*SHAPE_SCALES, "nuclear_norm"}:  # the Literal, the table
     raise RuntimeError("AdjustLR does not list functional.ADJUST_LR_MODES and 'nuclear_norm'")
-
-
-def matmul_precision_of(group: dict[str, Any]) -> str:
-    """torch's float32 matmul precision for a group's step: its ``fp32_matmul_prec``, "highest" where the user
-    set a float32 (or wider) ``ns_dtype``, which wins."""
-    if group.get("ns_dtype") in ("float32", "float64"):
-        return "highest"
-    return group.get("fp32_matmul_prec", "highest")

@@ -83,12 +83,16 @@ class Lion(Algorithm):
     def init_group(self, group: dict[str, Any], params: list[Tensor], where: str) -> None:
         momentum_readout(group)
 
-    def step_group(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
+    def init_state(self, ctx: StepContext, group: dict[str, Any], params: list[Tensor]) -> None:
         state = ctx.state
         for p in params:
             if "exp_avg" not in state[p]:
                 dtype = state_dtype(ctx, "exp_avg_dtype", p)
                 state[p]["exp_avg"] = torch.zeros_like(p, dtype=dtype, memory_format=torch.preserve_format)
+
+    def step_group(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
+        state = ctx.state
+        self.init_state(ctx, group, params)
         beta1, beta2 = group["betas"]
         momentum_readout(group)
         lion_(

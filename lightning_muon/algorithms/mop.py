@@ -51,7 +51,7 @@ from torch import Tensor
 from lightning_muon.algorithms.base import StepContext, register_algorithm
 from lightning_muon.algorithms.emerging import EO_DEFAULTS, EmergingVariant
 from lightning_muon.algorithms.families import SHAPE_SCALES, OrthogonalizedSettings
-from lightning_muon.algorithms.muon import MuonRound
+from lightning_muon.algorithms.muon import MuonHparams, MuonRound
 from lightning_muon.algorithms.polargrad import scale_by_nuclear_norm
 
 __all__ = ["MOP", "MOPSettings", "MOP_ALGORITHM", "POLAR_FACTOR_SVD", "PolarFactorSVD"]
@@ -98,26 +98,31 @@ class MOP(EmergingVariant):
     name = "mop"
     settings = MOPSettings
 
-    def orthogonalize(self, ctx: StepContext, group: dict, rnd: MuonRound, donate: bool = False) -> list[list[Tensor]]:
-        """Per update, the polar factors of its matrices by SVD, each matrix whole (on its owner under a sharding)."""
-        return self.map_tensors(ctx, group, rnd.params, rnd.updates, POLAR_FACTOR_SVD, donate=donate)
+    def plan(self, rnd: MuonRound) -> None:
+        return None  # no Newton-Schulz: the SVD reads each update in its own dtype (float32 at least)
 
-    def work_dtype(self, group: dict) -> torch.dtype:
+    def orthogonalize(
+        self,
+        ctx: StepContext,
+        rnd: MuonRound,
+        tensors: list[Tensor] | None = None,
+        donate: bool = False,
+        observe: bool = True,
+    ) -> list[list[Tensor]]:
+        """Per update, the polar factors of its matrices by SVD, each matrix whole (on its owner under a sharding)."""
+        tensors = rnd.updates if tensors is None else tensors
+        return self.map_tensors(ctx, rnd, tensors, POLAR_FACTOR_SVD, donate=donate, observe=observe)
+
+    def work_dtype(self, hp: MuonHparams) -> torch.dtype:
         # A float64 work dtype makes step_memory's round estimate err high, as an SVD's workspace does.
         return torch.float64
 
-    def donation_dtypes(
-        self, group: dict, matrices: list[Tensor], multi_shapes: frozenset[tuple[int, int]]
-    ) -> list[torch.dtype]:
-        return [M.dtype for M in matrices]  # the SVD reads each update in its own dtype (float32 at least)
+    keeps_updates = True  # with adjust_lr="nuclear_norm", <O, U> reads the updates after the SVD
 
-    def keeps_updates(self, group: dict) -> bool:
-        return group["adjust_lr"] == "nuclear_norm"  # <O, U> reads the updates after the SVD
-
-    def normalize(self, ctx: StepContext, group: dict, rnd: MuonRound) -> list[list[Tensor]]:
-        if group["adjust_lr"] != "nuclear_norm":
+    def normalize(self, ctx: StepContext, rnd: MuonRound) -> list[list[Tensor]]:
+        if rnd.group["adjust_lr"] != "nuclear_norm":
             return rnd.ortho
-        return scale_by_nuclear_norm(ctx, group, rnd)
+        return scale_by_nuclear_norm(ctx, rnd)
 
 
 MOP_ALGORITHM = register_algorithm(MOP())

@@ -44,7 +44,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor
 
-from lightning_muon.algorithms.base import StepContext, group_lr, register_algorithm
+from lightning_muon.algorithms.base import StepContext, register_algorithm
 from lightning_muon.algorithms.muon import MuonAlgorithm, MuonRound, MuonSettings
 from lightning_muon.algorithms.settings import setting
 from lightning_muon.algorithms.state_dtypes import MAIN_PARAM
@@ -100,16 +100,16 @@ class MuonHyperball(MuonAlgorithm):
                     p.mul_(radius / max(_whole_norm(p), group["hyperball_eps"]))
         super().step_group(ctx, group, params, grads)
 
-    def apply_update(self, ctx: StepContext, group: dict, rnd: MuonRound) -> None:
-        params, ortho = rnd.params, rnd.ortho
-        lr, eps, radius = group_lr(group), group["hyperball_eps"], group["hyperball_radius"]
+    def apply_update(self, ctx: StepContext, rnd: MuonRound, extra: float = 1.0) -> None:
+        params, ortho, group = rnd.params, rnd.ortho, rnd.group
+        lr, eps, radius = rnd.hp.lr, group["hyperball_eps"], group["hyperball_radius"]
         if lr == 0.0:
             return  # nothing moves (and no renormalization rounds a weight already on its sphere)
-        if group["weight_decay"] != 0.0:
-            torch._foreach_mul_(params, 1.0 - lr * group["weight_decay"])
+        if rnd.hp.weight_decay != 0.0:
+            torch._foreach_mul_(params, 1.0 - lr * rnd.hp.weight_decay)
         sharding = ctx.sharding
         local = ctx.local_shard
-        layout = layout_of(group)
+        layout = rnd.layout
         if layout.batched:
             for p, pieces in zip(params, ortho):
                 _per_matrix_update(local(p), [local(o) for o in pieces], layout, lr, eps, radius)

@@ -41,7 +41,7 @@ from lightning_muon.algorithms.base import StepContext, register_algorithm
 from lightning_muon.algorithms.emerging import EO_DEFAULTS, EmergingVariant
 from lightning_muon.algorithms.families import NewtonSchulzSettings
 from lightning_muon.algorithms.muon import MuonRound
-from lightning_muon.layout import MatrixLayout, layout_of
+from lightning_muon.layout import MatrixLayout
 
 __all__ = ["POLARGRAD", "PolarGrad", "PolarGradSettings", "scale_by_nuclear_norm"]
 
@@ -55,14 +55,14 @@ class PolarGradSettings(
     """PolarGrad groups, Emerging-Optimizers' defaults: the orthogonalized update scaled by its nuclear norm."""
 
 
-def scale_by_nuclear_norm(ctx: StepContext, group: dict, rnd: MuonRound) -> list[list[Tensor]]:
+def scale_by_nuclear_norm(ctx: StepContext, rnd: MuonRound) -> list[list[Tensor]]:
     """Every orthogonalized matrix ``O`` of the round times ``<O, U>``, ``U`` the matrix it came from.
 
     ``rnd.updates`` must still hold the updates Newton-Schulz (or a map) was fed
     (``keeps_updates``). For the exact polar factor ``<O, U>`` is the nuclear norm of ``U``
     (MOP). Returns new pieces, in float32 at least.
     """
-    layout = layout_of(group)
+    layout = rnd.layout
     sharding = ctx.sharding
     local = ctx.local_shard
     sums = [_inner_products(local(u), [local(o) for o in pieces], layout) for u, pieces in zip(rnd.updates, rnd.ortho)]
@@ -100,11 +100,10 @@ class PolarGrad(EmergingVariant):
     name = "polargrad"
     settings = PolarGradSettings
 
-    def keeps_updates(self, group: dict) -> bool:
-        return True  # <O, U> reads the updates after Newton-Schulz
+    keeps_updates = True  # <O, U> reads the updates after Newton-Schulz
 
-    def normalize(self, ctx: StepContext, group: dict, rnd: MuonRound) -> list[list[Tensor]]:
-        return scale_by_nuclear_norm(ctx, group, rnd)
+    def normalize(self, ctx: StepContext, rnd: MuonRound) -> list[list[Tensor]]:
+        return scale_by_nuclear_norm(ctx, rnd)
 
 
 POLARGRAD = register_algorithm(PolarGrad())

@@ -159,14 +159,12 @@ class SinkhornMuon(EmergingVariant):
                 )
 
     @torch.no_grad()
-    def after_update(self, ctx: StepContext, group: dict, rnd: MuonRound) -> None:
+    def after_update(self, ctx: StepContext, rnd: MuonRound) -> None:
         """``W <- sinkhorn_knopp(W)`` for every weight of the round, each whole (on its owner under a sharding)."""
-        num_iters, eps = group["num_iters"], group["eps"]
+        num_iters, eps = rnd.group["num_iters"], rnd.group["eps"]
         # Each matrix in its own dtype, float32 at least, whatever ns_dtype says (a sharding sends it so too).
         weights = [p.detach() for p in rnd.params]
-        mapped = self.map_tensors(
-            ctx, group, rnd.params, weights, lambda X: sinkhorn_knopp(X, num_iters, eps), observe=False
-        )
+        mapped = self.map_tensors(ctx, rnd, weights, lambda X: sinkhorn_knopp(X, num_iters, eps), observe=False)
         local = ctx.local_shard
         for p, (piece,) in zip(rnd.params, mapped):
             w = local(p)

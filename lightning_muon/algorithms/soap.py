@@ -165,6 +165,10 @@ class SOAP(Algorithm):
             settings["correct_shampoo_beta_bias"] = group["correct_bias"]
         return settings
 
+    def init_state(self, ctx: StepContext, group: dict[str, Any], params: list[Tensor]) -> None:
+        for p in params:
+            self._state(ctx, p)
+
     @torch.no_grad()
     def step_group(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
         """Step each matrix of ``params`` on its own; ``ctx`` gives the per-parameter ``state``.

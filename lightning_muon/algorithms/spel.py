@@ -38,7 +38,7 @@ from lightning_muon.algorithms.base import StepContext, register_algorithm
 from lightning_muon.algorithms.emerging import EO_DEFAULTS, EmergingVariant
 from lightning_muon.algorithms.families import NewtonSchulzSettings
 from lightning_muon.algorithms.muon import MuonRound
-from lightning_muon.layout import MatrixLayout, layout_of
+from lightning_muon.layout import MatrixLayout
 
 __all__ = ["SPEL", "Spel", "SpelSettings"]
 
@@ -56,12 +56,11 @@ class Spel(EmergingVariant):
     settings = SpelSettings
 
     @torch.no_grad()
-    def after_update(self, ctx: StepContext, group: dict, rnd: MuonRound) -> None:
+    def after_update(self, ctx: StepContext, rnd: MuonRound) -> None:
         """``W <- msign(W)``: every piece of every weight, with the group's Newton-Schulz settings."""
         weights = [p.detach() for p in rnd.params]
-        signs = self.orthogonalize_tensors(ctx, group, rnd.params, weights, rnd.cap, rnd.multi_shapes, observe=False)
-        local = ctx.local_shard
-        _copy_pieces_(rnd.params, signs, layout_of(group), local)
+        signs = self.orthogonalize(ctx, rnd, weights, observe=False)
+        _copy_pieces_(rnd.params, signs, rnd.layout, ctx.local_shard)
 
 
 def _copy_pieces_(params: list[Tensor], pieces: list[list[Tensor]], layout: MatrixLayout, local=None) -> None:

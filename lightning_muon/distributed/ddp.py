@@ -34,7 +34,9 @@ With ``overlap_with_backward`` the reduce leaves in buckets from backward's hook
 
 from __future__ import annotations
 
+import contextlib
 import warnings
+from collections.abc import Iterator
 
 import torch
 import torch.distributed as dist
@@ -134,8 +136,10 @@ class MuonDDPSharding(Sharding):
             return part if part.numel() else None
         return p if self.owns(p) else None
 
-    def lend_state(self) -> None:
-        """For the step: each expert-stack part's state moves from the stack to the view this rank steps."""
+    @contextlib.contextmanager
+    def lent_state(self) -> Iterator[None]:
+        """For the step: each expert-stack part's state moves from the stack to the view this rank steps, and back
+        under the stack after (where checkpoints look for it)."""
         state = self.optimizer.state
         for i, part in self._parts.items():
             p = self.params[i]
@@ -147,15 +151,14 @@ class MuonDDPSharding(Sharding):
                 "MuonDDPSharding: expert stacks are stepped by their experts' ranks, in parts; the update hooks "
                 "(UpdateSpectrumMonitor) are not run for them",
                 RuntimeWarning,
-                stacklevel=3,
+                stacklevel=4,
             )
-
-    def return_state(self) -> None:
-        """After the step: the parts' state back under their stacks (where checkpoints look for it)."""
-        state = self.optimizer.state
-        for i, part in self._parts.items():
-            if part in state:
-                state[self.params[i]] = state.pop(part)
+        try:
+            yield
+        finally:
+            for i, part in self._parts.items():
+                if part in state:
+                    state[self.params[i]] = state.pop(part)
 
     def part_grads(self) -> list[Tensor]:
         """The gradients of the expert-stack parts this rank steps (besides the owned whole matrices')."""
@@ -183,12 +186,12 @@ class MuonDDPSharding(Sharding):
         A parameter with no gradient on some rank counts as zeros there; with no gradient on
         any rank it stays without one on its owner, so the step skips it as a single process
         would. Then the ranks agree whether every gradient any of them reads is finite
-        (``agree_finite``), so that ``Muon``'s check skips or raises on all ranks alike
+        (``FiniteChecks.agree``), so that ``Muon``'s check skips or raises on all ranks alike
         instead of leaving one rank waiting in a collective; under AMP, ``MuonDDPStrategy``
         gives the GradScaler a ``ShardedGradScaler``, which agrees on overflows likewise.
         """
         if self.mode != "reduce_scatter" or not self.params:
-            self.agree_finite()
+            self.optimizer.finite_checks.agree()
             return
         if self._overlap is not None:
             self._assign(self._overlap.finish())  # the buckets sent from backward's hooks
@@ -288,7 +291,7 @@ class MuonDDPSharding(Sharding):
                 p.grad = None
         # The owned Muon gradients in one pass per buffer (absent ones are zeros there), with
         # every other gradient this rank's step reads.
-        self.agree_finite([*owned_grads, *kept, *self._replicated_grads()])
+        self.optimizer.finite_checks.agree([*owned_grads, *kept, *self._replicated_grads()])
 
     def overlap_with_backward(self, should_sync, bucket_cap_mb: float = 25.0) -> None:
         """Send Muon gradients to their owners from backward's hooks, in buckets (``OverlappedReduce``).

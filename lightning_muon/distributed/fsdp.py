@@ -33,6 +33,7 @@ from __future__ import annotations
 import math
 import warnings
 from collections.abc import Callable, Sequence
+from typing import Any
 
 import torch
 from torch import Tensor
@@ -99,8 +100,7 @@ class MuonFSDPSharding(Sharding):
     """
 
     observes_updates = True
-    check_name = "step_check"
-    check_dtype = torch.int64  # the signature of agreement_extra takes 62 bits
+    agrees_on_grads = True  # FSDP2 gives a Muon matrix a gradient on all ranks or on none
 
     def __init__(self, optimizer, mode: str = "owner", stats: CommStats | None = None) -> None:
         if mode not in FSDP_MODES:
@@ -144,23 +144,6 @@ class MuonFSDPSharding(Sharding):
         """Each parameter's owner; None where every rank works on its own rows (whole experts, blockwise mode)."""
         return None if self.mode == "blockwise" else super().round_owners(group, params)
 
-    def agreement_extra(self) -> list[int]:
-        """Which Muon matrices have gradients, hashed: FSDP2 gives a gradient on all ranks or on none.
-
-        Sent as ``[h, -h]`` under MAX, so the ranks agree exactly when the maxima are opposite.
-        """
-        self._with_grad = tuple(i for i, p in enumerate(self.params) if p.grad is not None)
-        signature = hash(self._with_grad) % (1 << 62)  # ints hash alike in every process; -signature fits int64
-        return [signature, -signature]
-
-    def check_agreement(self, extra: list[int]) -> None:
-        """Ranks that disagree on the matrices with gradients raise here instead of hanging later."""
-        if extra[0] != -extra[1]:
-            raise RuntimeError(
-                "MuonFSDPSharding: ranks disagree on which Muon matrices have gradients "
-                f"(this rank: {len(self._with_grad)} of {len(self.params)}); every rank must run the same modules"
-            )
-
     @torch.no_grad()
     def reduce_matrix_sums(self, params: list[Tensor], partial: Tensor, layout: MatrixLayout) -> Tensor:
         """Whole-matrix sums: one all-reduce of the ``(K, k)`` per-rank sums (``Sharding.reduce_matrix_sums``).
@@ -193,6 +176,7 @@ class MuonFSDPSharding(Sharding):
         layout: MatrixLayout | None = None,
         wire_dtype: torch.dtype | None = None,
         observe: Observer | None = None,
+        newton_schulz: dict[str, Any] | None = None,
     ) -> list[list[Tensor]]:
         """``Sharding.map_whole`` by owners: each parameter's tensors whole on its owner, ``fn`` there, rows back.
 

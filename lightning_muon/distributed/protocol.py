@@ -1,52 +1,44 @@
-"""The sharding protocol: how a ``Muon`` optimizer splits its per-matrix work across ranks.
+"""The sharding protocol: how a ``Muon`` optimizer splits its per-matrix work across ranks, moving tensors only.
 
 A sharding holds the Muon parameters of one optimizer, an ``OwnershipPlan`` (the rank
 that works on each whole matrix) and a process group. ``Muon`` reaches it through
 ``Muon.attach_sharding`` and calls only the methods of ``Sharding`` below, in this
 order within one ``step``::
 
-    sharding.step_finite()         # the agreed "every gradient is finite" (one collective)
     sharding.stepped(p)            # what of each parameter this rank steps
-    sharding.local_shard(grad)     # the part of a gradient this rank holds
-    sharding.map_whole(...)        # per-matrix work where each matrix is whole: Newton-Schulz
-                                   #   (``orthogonalize``), MOP's SVD, Sinkhorn, Spel, SOAP
-    sharding.reduce_matrix_sums()  # whole-matrix sums from every rank's part (MuonHyperball, PolarGrad, NAMO)
+    sharding.local_shard(grad)     # the part of a tensor this rank holds
+    with sharding.lent_state():    # state under the parts this rank steps, for the step
+        sharding.round_owners(...)     # who works on each matrix: every rank plans the same rounds
+        sharding.map_whole(...)        # per-matrix work where each matrix is whole: Newton-Schulz,
+                                       #   MOP's SVD, Sinkhorn, Spel, SOAP
+        sharding.reduce_matrix_sums()  # whole-matrix sums from every rank's part (MuonHyperball, PolarGrad, NAMO)
     sharding.gather_parameters()   # after the update: results to every rank
 
-``map_whole`` is the one way to run work on a matrix's owner; ``orthogonalize`` is a call of
-it (Newton-Schulz). Whether a rank's part of a tensor already holds whole matrices is a
-fact of the group's ``MatrixLayout`` and of the placement (``holds_whole``): an expert
-stack sharded over its experts does, and then nothing moves.
+``map_whole`` is the one way to run work on a matrix's owner. Whether a rank's part of a tensor
+already holds whole matrices is a fact of the group's ``MatrixLayout`` and of the placement
+(``holds_whole``): an expert stack sharded over its experts does, and then nothing moves. The
+non-finite check agrees across ranks on its own (``nonfinite.FiniteChecks``), through the
+sharding's process group.
 
 ``MuonDDPSharding`` (DDP: whole tensors on every rank, gradients reduced onto owners) and
 ``MuonFSDPSharding`` (FSDP2: ``Shard(0)`` DTensors, rows sent to owners and back) are
 subclasses; ``MuonTPSharding`` (a data x tensor mesh) is a third.
-
-Finiteness is agreed by one all-reduce (MAX) of an integer vector ``[bad, *extra]``:
-``bad`` is 1 on a rank whose gradients hold a NaN or an inf, ``extra`` what a subclass
-must also agree on (FSDP2: which matrices have gradients). Only when some rank is bad,
-a second all-reduce (MIN) finds the first bad parameter in optimizer order, so every
-rank's error names it. Then every rank skips or raises alike and none waits alone in
-a collective of the step.
 """
 
 from __future__ import annotations
 
-from collections.abc import Callable
-from dataclasses import dataclass
+import contextlib
+from collections.abc import Callable, Iterator
 from typing import Any, ClassVar
 
 import torch
-import torch.distributed as dist
 from torch import Tensor
 
-from lightning_muon.distributed.comm import CommStats, all_reduce_
+from lightning_muon.distributed.comm import CommStats
 from lightning_muon.distributed.planning import OwnershipPlan
-from lightning_muon.functional import all_finite, muon_orthogonalize
 from lightning_muon.layout import MatrixLayout, layout_of
-from lightning_muon.newton_schulz import resolve_ns_dtype
 
-__all__ = ["FiniteVerdict", "NewtonSchulzWork", "Observer", "Sharding", "WholeWork", "ns_wire_dtype"]
+__all__ = ["Observer", "Sharding", "WholeWork"]
 
 WholeWork = Callable[[list[int], list[list[Tensor]]], list[list[Tensor]]]
 """``fn(indices, wholes) -> results`` of ``Sharding.map_whole``: work on the parameters a rank holds whole."""
@@ -54,50 +46,8 @@ Observer = Callable[[list[int], list[list[Tensor]], list[list[Tensor]]], None]
 """``observe(indices, wholes, results)`` of ``Sharding.map_whole``: sees an owner's whole inputs and results."""
 
 
-class NewtonSchulzWork:
-    """Newton-Schulz as ``map_whole`` work: ``muon_orthogonalize`` on the whole updates, pieces in its dtype.
-
-    A sharding may recognize it to iterate on blocks instead of whole matrices
-    (``MuonTPSharding``'s ``tp_mode="distributed"``); any other sharding just calls it.
-    """
-
-    def __init__(self, ns_kwargs: dict[str, Any]) -> None:
-        self.ns_kwargs = ns_kwargs
-        """``functional.muon_orthogonalize``'s keywords, ``layout`` among them."""
-
-    def __call__(self, indices: list[int], wholes: list[list[Tensor]]) -> list[list[Tensor]]:
-        return muon_orthogonalize([w[0] for w in wholes], **self.ns_kwargs, keep_work_dtype=True)
-
-
-def ns_wire_dtype(updates: list[Tensor], ns_dtype: Any) -> torch.dtype | None:
-    """The dtype updates may travel in to Newton-Schulz without loss: its work dtype where narrower, else None.
-
-    Newton-Schulz casts its input to the work dtype first and returns values of that dtype,
-    so sending either in it rounds nothing more.
-    """
-    if not updates:
-        return None
-    base = updates[0].dtype
-    for u in updates[1:]:
-        base = torch.promote_types(base, u.dtype)
-    work = resolve_ns_dtype(ns_dtype, updates[0].device, base)
-    return work if work.itemsize < base.itemsize else None
-
-
-@dataclass(frozen=True)
-class FiniteVerdict:
-    """What the ranks agreed on the gradients of one step."""
-
-    finite: bool
-    """True when every gradient on every rank is finite."""
-    local_finite: bool
-    """True when this rank's gradients are finite."""
-    culprit: str | None = None
-    """``FiniteChecks.label`` of the first non-finite gradient over all ranks, in optimizer order."""
-
-
 class Sharding:
-    """Base of the ways ``Muon`` splits Newton-Schulz across ranks: params, plan, owners, one finiteness check.
+    """Base of the ways ``Muon`` splits Newton-Schulz across ranks: params, plan, owners, and moving tensors.
 
     A subclass builds the plan from its own view of the shapes, then calls this
     ``__init__``, which attaches the sharding to the optimizer. The methods below are
@@ -115,11 +65,10 @@ class Sharding:
     """
 
     observes_updates: ClassVar[bool] = False
-    """True when the sharding runs ``Muon``'s update hooks itself (only owners hold whole matrices)."""
-    check_name: ClassVar[str] = "nonfinite_flag"
-    """The ``CommStats`` name of the finiteness all-reduce."""
-    check_dtype: ClassVar[torch.dtype] = torch.int32
-    """The dtype of its vector: a flag fits in 4 bytes; a subclass whose ``agreement_extra`` needs more widens it."""
+    """True when only owners hold whole matrices, so ``map_whole``'s ``observe`` runs ``Muon``'s update hooks there."""
+    agrees_on_grads: ClassVar[bool] = False
+    """True when every rank has a gradient for a Muon parameter or none does (FSDP2): the non-finite check's
+    agreement then also checks that the ranks agree on which have one (``nonfinite.FiniteChecks``)."""
 
     def __init__(
         self,
@@ -142,9 +91,6 @@ class Sharding:
         self.world_size = world_size
         self.stats = stats if stats is not None else CommStats()
         self._index = {id(p): i for i, p in enumerate(params)}
-        self._verdict: FiniteVerdict | None = None
-        self.nonfinite_culprit: str | None = None
-        """The first bad parameter of the last agreement that found one, as the step's error names it."""
         optimizer.attach_sharding(self)
 
     # ------------------------------------------------------------------ what this rank holds and steps
@@ -169,11 +115,11 @@ class Sharding:
         """
         return True
 
-    def lend_state(self) -> None:
-        """Before the step's groups: move state to the parts ``stepped`` gives (none by default)."""
-
-    def return_state(self) -> None:
-        """After the step's groups: the lent state back under its parameters (none by default)."""
+    @contextlib.contextmanager
+    def lent_state(self) -> Iterator[None]:
+        """For the step's groups: state under the parts ``stepped`` gives, and back under the parameters after
+        (nothing moves by default)."""
+        yield
 
     def round_owners(self, group: dict, params: list[Tensor]) -> list[int | None] | None:
         """Who works on each of ``params`` (of ``group``) in a step's rounds (``step_memory.plan_rounds``).
@@ -198,6 +144,7 @@ class Sharding:
         layout: MatrixLayout | None = None,
         wire_dtype: torch.dtype | None = None,
         observe: Observer | None = None,
+        newton_schulz: dict[str, Any] | None = None,
     ) -> list[list[Tensor]]:
         """Run ``fn`` where each parameter's tensors are whole; return this rank's part of every result.
 
@@ -220,6 +167,10 @@ class Sharding:
         (Newton-Schulz's bf16), so they travel in it without loss. ``observe(indices, wholes,
         results)`` is called where ``fn`` ran on an owner's whole matrices, each matrix once
         over all ranks (the update hooks, for a sharding that ``observes_updates``).
+        ``newton_schulz``: given when ``fn`` is Newton-Schulz with these settings
+        (``functional.muon_orthogonalize``'s keywords but ``layout``), for a sharding that can
+        iterate on blocks of a matrix instead of gathering it (``MuonTPSharding``'s
+        ``tp_mode="distributed"``); every other sharding runs ``fn``.
 
         This default holds every tensor whole (one process, DDP owners): ``fn`` runs here.
         """
@@ -228,51 +179,6 @@ class Sharding:
         if observe is not None:
             observe(indices, tensors, results)
         return results
-
-    def orthogonalize(
-        self, params: list[Tensor], updates: list[Tensor], *, observe: bool = True, **ns_kwargs: Any
-    ) -> list[list[Tensor]]:
-        """Per update of ``params``, its orthogonalized pieces (``MatrixLayout.views``): Newton-Schulz by ``map_whole``.
-
-        ``ns_kwargs`` are ``functional.muon_orthogonalize``'s keywords, ``layout`` among them.
-        Where the pieces are computed here they stay in Newton-Schulz's dtype (``muon_apply_``
-        adds them into the parameters in one pass). ``observe``: whether the update hooks see
-        them (False: a stage orthogonalizes something other than an update, Spel's weight);
-        only a sharding that ``observes_updates`` runs them here.
-        """
-        return self.map_whole(
-            params,
-            [[u] for u in updates],
-            NewtonSchulzWork(ns_kwargs),
-            layout=ns_kwargs["layout"],
-            wire_dtype=ns_wire_dtype(updates, ns_kwargs.get("ns_dtype")),
-            observe=self.update_observer(params, updates) if observe else None,
-        )
-
-    def update_observer(self, params: list[Tensor], updates: list[Tensor]) -> Observer | None:
-        """The update hooks as ``map_whole``'s ``observe`` for ``updates`` of ``params``; None where they run elsewhere.
-
-        ``Muon`` runs the hooks itself unless the sharding ``observes_updates`` (only owners
-        hold whole matrices), and none run without hooks registered.
-        """
-        if not self.observes_updates or not self.optimizer.has_update_hooks:
-            return None
-
-        def observe(indices: list[int], wholes: list[list[Tensor]], results: list[list[Tensor]]) -> None:
-            if not indices:
-                return
-            # Looked up now: loading a state dict replaces the group dicts (not the parameters).
-            first = params[indices[0]]
-            group = next(g for g in self.optimizer.param_groups if any(q is first for q in g["params"]))
-            dtypes = [updates[i].dtype for i in indices]
-            self.optimizer.run_update_hooks(
-                group,
-                [params[i] for i in indices],
-                [w[0].reshape(params[i].shape).to(d) for i, w, d in zip(indices, wholes, dtypes)],
-                [[o.to(d) for o in pieces] for pieces, d in zip(results, dtypes)],
-            )
-
-        return observe
 
     def reduce_matrix_sums(self, params: list[Tensor], partial: Tensor, layout: MatrixLayout) -> Tensor:
         """Whole-matrix sums from this rank's part of them: ``partial[i]`` sums over its piece of ``params[i]``.
@@ -288,79 +194,3 @@ class Sharding:
 
     def gather_parameters(self) -> None:
         """After the owners stepped: bring every rank's copy of the parameters up to date (every rank calls it)."""
-
-    # ------------------------------------------------------------------ finiteness
-
-    def _local_gradients(self) -> list[Tensor]:
-        """Every gradient this rank's step reads: the local part of each gradient of a parameter it steps."""
-        grads = []
-        for group in self.optimizer.param_groups:
-            for p in group["params"]:
-                q = self.stepped(p)
-                if q is not None and q.grad is not None:
-                    g = self.local_shard(q.grad)
-                    if g.numel():
-                        grads.append(g)
-        return grads
-
-    def agreement_extra(self) -> list[int]:
-        """Integers every rank must agree on besides finiteness; checked by ``check_agreement``."""
-        return []
-
-    def check_agreement(self, extra: list[int]) -> None:
-        """Raise when the all-reduced (MAX) ``extra`` shows the ranks disagree (same answer on every rank)."""
-
-    def agree_finite(self, grads: list[Tensor] | None = None) -> FiniteVerdict:
-        """Agree with every rank whether all gradients are finite: the one collective of the check.
-
-        ``grads`` are this rank's (default: every local gradient its step reads). Every rank must call it,
-        once per step and before the step's other collectives. The verdict is kept for
-        ``step_finite``; with ``nonfinite="ignore"`` nothing is checked and nothing is sent.
-        """
-        if self.optimizer.nonfinite == "ignore":
-            self._verdict = FiniteVerdict(True, True)
-            return self._verdict
-        grads = self._local_gradients() if grads is None else grads
-        local_ok = not grads or all_finite(grads)
-        extra = self.agreement_extra()
-        self.nonfinite_culprit = None
-        bad = 0 if local_ok else 1
-        if self.world_size > 1:
-            device = self.params[0].device if self.params else torch.device("cpu")  # NCCL: no CPU tensors
-            flags = torch.tensor([bad, *extra], dtype=self.check_dtype, device=device)
-            all_reduce_(flags, dist.ReduceOp.MAX, self.group, self.stats, name=self.check_name)
-            values = flags.tolist()
-            bad, extra = values[0], values[1:]
-            self.check_agreement(extra)
-        if not bad:
-            self._verdict = FiniteVerdict(True, True)
-            return self._verdict
-        self.nonfinite_culprit = self._first_culprit(local_ok)
-        self._verdict = FiniteVerdict(False, local_ok, self.nonfinite_culprit)
-        return self._verdict
-
-    def _first_culprit(self, local_ok: bool) -> str | None:
-        """The first non-finite gradient over all ranks, in optimizer order (a second all-reduce, MIN)."""
-        groups = self.optimizer.param_groups
-        flat = [(i, j) for i, g in enumerate(groups) for j in range(len(g["params"]))]
-        culprit = None if local_ok else self.optimizer.finite_checks.culprit_index()
-        first = flat.index(culprit) if culprit is not None else len(flat)
-        if self.world_size > 1:
-            device = self.params[0].device if self.params else torch.device("cpu")
-            where = torch.tensor([first], dtype=torch.int64, device=device)
-            all_reduce_(where, dist.ReduceOp.MIN, self.group, self.stats, name="nonfinite_where")
-            first = int(where.item())
-        return self.optimizer.finite_checks.label(*flat[first]) if first < len(flat) else None
-
-    def step_finite(self) -> FiniteVerdict:
-        """The verdict on this step's gradients: the agreement made since the last step, or a new one.
-
-        A strategy that agrees early (DDP, right after reducing the gradients, before AMP
-        unscaling and clipping) leaves its verdict here; otherwise the step agrees now.
-        """
-        verdict, self._verdict = self._verdict, None
-        return verdict if verdict is not None else self._consume(self.agree_finite())
-
-    def _consume(self, verdict: FiniteVerdict) -> FiniteVerdict:
-        self._verdict = None
-        return verdict

@@ -40,7 +40,7 @@ from __future__ import annotations
 
 import math
 import warnings
-from typing import NamedTuple
+from typing import Any, NamedTuple
 
 import torch
 import torch.distributed as dist
@@ -58,7 +58,7 @@ from lightning_muon.distributed.fsdp import (
     shard_rows,
 )
 from lightning_muon.distributed.planning import plan_ownership
-from lightning_muon.distributed.protocol import NewtonSchulzWork, Observer, Sharding, WholeWork
+from lightning_muon.distributed.protocol import Observer, Sharding, WholeWork
 from lightning_muon.distributed.tp_math import TP_MODES, long_side_split, newton_schulz_on_shards
 from lightning_muon.layout import MatrixLayout, layout_of
 from lightning_muon.newton_schulz import resolve_coefficients, resolve_ns_dtype
@@ -163,6 +163,7 @@ class MuonTPSharding(MuonFSDPSharding):
         layout: MatrixLayout | None = None,
         wire_dtype: torch.dtype | None = None,
         observe: Observer | None = None,
+        newton_schulz: dict[str, Any] | None = None,
     ) -> list[list[Tensor]]:
         """``Sharding.map_whole`` on a 2-D mesh: with a ``layout``, the module docstring's steps 1 to 3.
 
@@ -186,7 +187,7 @@ class MuonTPSharding(MuonFSDPSharding):
 
         def compute(mine: list[int], whole: list[Tensor]) -> list[Tensor]:
             # Steps 1 and 3 run in exchange_with_owners; step 2 here, on the owners' blocks.
-            return self._work_on_blocks(params, mine, whole, fn, layout, observe)
+            return self._work_on_blocks(params, mine, whole, fn, layout, observe, newton_schulz)
 
         return exchange_with_owners(
             [self.local_shard(u) for u in updates],
@@ -240,8 +241,13 @@ class MuonTPSharding(MuonFSDPSharding):
         fn: WholeWork,
         layout: MatrixLayout,
         observe: Observer | None,
+        newton_schulz: dict[str, Any] | None,
     ) -> list[Tensor]:
-        """Step 2 on the owner: each owned matrix's block of the result, shaped like its block."""
+        """Step 2 on the owner: each owned matrix's block of the result, shaped like its block.
+
+        ``newton_schulz`` (``map_whole``'s): ``fn`` is Newton-Schulz with these settings, which
+        ``tp_mode="distributed"`` runs on the blocks instead of gathering each matrix.
+        """
         # Per owned matrix: the dim the tensor dim splits (None: whole here) and the whole shape.
         lay = [_Layout(tp_split_dim(params[i]) if self.tp_size > 1 else None, tuple(params[i].shape)) for i in mine]
         out: list[Tensor | None] = [None] * len(mine)
@@ -254,14 +260,14 @@ class MuonTPSharding(MuonFSDPSharding):
                 observed[k] = (w[0], result)
         split_ks = [k for k, entry in enumerate(lay) if entry.split is not None]
         # Only Newton-Schulz iterates on blocks; other work needs its matrix whole, as "duplicated" has it.
-        on_blocks = isinstance(fn, NewtonSchulzWork) and self.tp_mode == "distributed"
+        on_blocks = newton_schulz is not None and self.tp_mode == "distributed"
         if split_ks and self.tp_mode != "blockwise" and not on_blocks:
             fulls = self._tp.gather(split_ks, lay, whole, dst=None)
             for k, full, (result,) in zip(split_ks, fulls, fn([mine[k] for k in split_ks], [[f] for f in fulls])):
                 out[k] = _own_block(result, lay[k].split, self.tp_size, self.tp_rank)
                 observed[k] = (full, result)
         elif split_ks and on_blocks:
-            for k, res in self._tp.newton_schulz(split_ks, lay, whole, fn.ns_kwargs).items():
+            for k, res in self._tp.newton_schulz(split_ks, lay, whole, newton_schulz).items():
                 out[k] = res
             if observe is not None:  # gathered for the hooks, only when they watch
                 fulls = self._tp.gather(split_ks, lay, whole, dst=0)

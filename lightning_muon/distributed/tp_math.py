@@ -47,7 +47,7 @@ import torch
 from torch import Tensor
 
 from lightning_muon.algorithms.families import TPMode
-from lightning_muon.newton_schulz import FlooredNormalization, Normalization, ns_flops
+from lightning_muon.newton_schulz import FlooredNormalization, Normalization, ns_flops, prescale_divisor_
 
 __all__ = [
     "TP_MODES",
@@ -108,7 +108,7 @@ def newton_schulz_on_shards(
     for s in shards:
         sq += s.to(acc).square().sum(dim=(-2, -1))
     fro = all_reduce(sq).sqrt().to(work).to(acc).view(K, 1, 1)
-    scale = norm.divisor_(fro).to(work)
+    scale = prescale_divisor_(fro, norm).to(work)
     X = [s.div(scale) for s in shards]  # (K, m, n_j) each
     for a, b, c in schedule:
         A = torch.bmm(X[0], X[0].mT)  # (K, m, m) partial Gram matrix
