@@ -81,11 +81,3 @@ def test_bytes_agree_between_counters(run):
         assert muon["all_gather"] == pytest.approx((world - 1) * 4 * rank["numel"]["owned"])
     assert conf["all_gather"]["ratio_to_ddp"] > 1.0
 
-
-@pytest.mark.slow
-def test_scale_model_counts_match(run):
-    """benchmarks/scale_model.py predicts these counts exactly (W = 3 and 4 in test_scale_model.py)."""
-    from test_scale_model import assert_ddp_counts, bench_ddp
-
-    report, _ = run
-    assert_ddp_counts(bench_ddp.Settings(**report["settings"]), [r["configs"] for r in report["ranks"]])
