@@ -204,7 +204,6 @@ def test_bench_fsdp_counters_agree(bench):
     assert sum(r["configs"]["owner"]["ns_matrices_per_step"] for r in ranks) == matrices
     assert all(r["configs"]["gather_all"]["ns_matrices_per_step"] == matrices for r in ranks)
     assert report["targets_total"] == 2 and all(t["passed"] for t in report["targets"])  # FLOP share and bytes
-    assert report["projection"][0]["owner_mb"] == pytest.approx(max(b["owner"]["muon"]) / 1e6, rel=0.01)
 
 
 # ---------------------------------------------------------------- the model itself
