@@ -42,7 +42,7 @@ import torch
 import torch.distributed as dist
 from benchlib import memory_ranks
 from benchlib.counting import NSCounter, WireCounter
-from benchlib.fsdp_summary import CONFIGS, TIMES, Settings, print_report, projection, settings_from_args, summarize
+from benchlib.fsdp_summary import CONFIGS, TIMES, Settings, print_report, settings_from_args, summarize
 from benchlib.harness import describe_machine, machine_line, sync, targets_met, write_report
 from benchlib.memory import add_memory_arguments, memory_settings, run_memory
 from benchlib.ranks import (
@@ -278,7 +278,6 @@ def main(argv: list[str] | None = None) -> int:
         "machine": machine,
         "settings": s.as_json(),
         **summary,
-        "projection": projection(s, ranks[0], summary),
         **targets_met(summary["targets"]),
         "ranks": ranks,
         "elapsed_s": elapsed,

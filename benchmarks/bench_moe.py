@@ -13,9 +13,9 @@ processes:
 
 Measured per rank and step, by wrapping the calls themselves (``counting.py``): bytes sent
 by the shardings' collectives (``to_owner``/``from_owner``, ``reduce_scatter``/``all_gather``,
-the finiteness check), and the Newton-Schulz FLOPs actually run. Printed beside them: the
-scale model's prediction for the same shapes (``scale_counts.ddp_counts`` /
-``fsdp_counts``), and the busiest rank's FLOPs over the fair share (total / W).
+the finiteness check), and the Newton-Schulz FLOPs actually run; and the busiest rank's FLOPs
+over the fair share (total / W). The JSON lists the tensors as the optimizer holds them
+(``tensors``): ``studies/check_scale_model.py`` predicts the same counts from them.
 
 Usage::
 
@@ -33,7 +33,6 @@ from pathlib import Path
 from typing import Any
 
 import torch
-from benchlib import scale_counts as sc
 from benchlib.counting import NSCounter, WireCounter
 from benchlib.harness import describe_machine, machine_line, table, write_report
 from benchlib.ranks import add_rank_arguments, check_rank_arguments, run_ranks
@@ -76,16 +75,6 @@ def _by_group(s: Settings, experts: int) -> list[tuple[str, tuple[int, ...], dic
     for name, (shape, keys) in layer_set(s, experts).items():
         groups.setdefault(tuple(sorted(keys.items())), []).append((name, shape, keys))
     return [entry for members in groups.values() for entry in members]
-
-
-def model_shapes(s: Settings, experts: int) -> sc.ModelShapes:
-    """The same tensors as the scale model sees them, in the order the sharding plans them."""
-    muon = [
-        sc.Matrix(name, shape, keys.get("split_sizes"), keys.get("batched", False))
-        for name, shape, keys in _by_group(s, experts)
-    ]
-    order = [(m.name, int(torch.Size(m.shape).numel()), True) for m in muon]
-    return sc.ModelShapes(f"MoE E={experts}", muon, [], order)
 
 
 def _optimizer(params: dict[str, nn.Parameter], s: Settings, experts: int) -> Muon:
@@ -143,60 +132,32 @@ def _rank_main(rank: int, w: int, s: Settings) -> dict[str, Any]:
     return out
 
 
-def predicted(s: Settings, experts: int, config: str) -> list[dict[str, Any]]:
-    shapes = model_shapes(s, experts)
-    dtype = torch.float32
-    if config == "muon_ddp":
-        ranks = sc.ddp_counts(shapes, s.world_size, s.world_size, s.world_size, ns_dtype=dtype)["ranks"]
-        return [{"bytes": r["bytes"], "ns_flops": r["ns_flops"]} for r in ranks]
-    ranks = sc.fsdp_counts(shapes, s.world_size, s.world_size, wire_bytes=4, ns_dtype=dtype)["ranks"]
-    return [{"bytes": r["bytes"], "ns_flops": r["ns_flops_owner"]} for r in ranks]
-
-
 def summarize(s: Settings, ranks: list[dict[str, Any]]) -> tuple[list[list[Any]], dict[str, Any]]:
     rows, report = [], {}
     for experts in s.experts:
         for config in ("muon_ddp", "muon_fsdp"):
             phase = f"{config}/E={experts}"
             measured = [r[phase] for r in ranks]
-            model = predicted(s, experts, config)
             total = sum(m["ns_flops"] for m in measured)
             busiest = max(m["ns_flops"] for m in measured)
-            for r, (m, p) in enumerate(zip(measured, model)):
+            for r, m in enumerate(measured):
                 muon_bytes = sum(v for k, v in m["sharding_bytes"].items() if k not in CHECKS)
-                model_bytes = sum(v for k, v in p["bytes"].items() if k not in CHECKS)
                 rows.append(
                     [
                         config,
                         experts,
                         r,
                         f"{muon_bytes / 1e3:.1f}",
-                        f"{model_bytes / 1e3:.1f}",
                         f"{m['ns_flops'] / 1e6:.1f}",
-                        f"{p['ns_flops'] / 1e6:.1f}",
                         f"{m['ns_matrices']:.0f}",
                         f"{busiest / (total / s.world_size):.2f}" if r == 0 else "",
                     ]
                 )
-            report[phase] = {
-                "measured": measured,
-                "predicted": model,
-                "busiest_over_fair": busiest / (total / s.world_size),
-            }
+            report[phase] = {"measured": measured, "busiest_over_fair": busiest / (total / s.world_size)}
     return rows, report
 
 
-HEADERS = [
-    "sharding",
-    "E",
-    "rank",
-    "Muon kB/step",
-    "predicted kB",
-    "NS MFLOP/step",
-    "predicted MFLOP",
-    "matrices",
-    "busiest/fair",
-]
+HEADERS = ["sharding", "E", "rank", "Muon kB/step", "NS MFLOP/step", "matrices", "busiest/fair"]
 
 
 def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
@@ -223,7 +184,10 @@ def main(argv: list[str] | None = None) -> int:
     print(table(HEADERS, rows))
     print("(Muon kB: the sharding's own collectives per step, the finiteness check left out; busiest/fair: the")
     print(" busiest rank's Newton-Schulz FLOPs over total / W)")
-    write_report(args.out, {"settings": asdict(s), "machine": machine, "ranks": ranks, "summary": report})
+    # In the optimizer's order, as the shardings plan them: name, shape and layout keys.
+    tensors = {experts: _by_group(s, experts) for experts in s.experts}
+    report = {"settings": asdict(s), "machine": machine, "tensors": tensors, "ranks": ranks, "summary": report}
+    write_report(args.out, report)
     return 0
 
 

@@ -35,7 +35,6 @@ The JSON holds the machine, the settings and every run.
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
@@ -47,12 +46,10 @@ from typing import Any
 import lightning.pytorch as pl
 import torch
 import torch.nn.functional as F
-from benchlib.harness import describe_machine, machine_line, sync, timed_fit
+from benchlib.harness import check_device, demo_fit, describe_machine, machine_line, sync, write_report
 
 from lightning_muon import QKClip
 from lightning_muon.attention import maxima
-from lightning_muon_demo.data import CharTextDataModule
-from lightning_muon_demo.module import CharGPTModule
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_qk_clip.json"
 TARGET_OVERHEAD = 0.03
@@ -132,21 +129,11 @@ class _TimedQKClip(QKClip):
 def _fit(
     shape: dict[str, int], steps: int, clipped: bool, workdir: Path, device: torch.device, log_every: int = LOG_EVERY
 ) -> dict[str, Any]:
-    pl.seed_everything(0, verbose=False)
-    model = CharGPTModule(
-        n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"], block_size=shape["block_size"]
-    )
-    data = CharTextDataModule(
-        block_size=shape["block_size"],
-        batch_size=shape["batch_size"],
-        max_chars=300_000,
-        train_samples_per_epoch=shape["batch_size"] * steps,
-    )
     clip = _TimedQKClip(threshold=100.0) if clipped else None
     from lightning.pytorch.loggers import CSVLogger
 
     logger = CSVLogger(workdir, name="clipped" if clipped else "baseline")
-    seconds = timed_fit(model, data, device, steps, logger, [clip] if clip else [], log_every)
+    seconds = demo_fit(shape, steps, device, logger, [clip] if clip else [], log_every)
     return {
         "clipped": clipped,
         "log_every_n_steps": log_every,
@@ -216,9 +203,7 @@ def parse_args(argv: list[str] | None = None) -> argparse.Namespace:
     args = parser.parse_args(argv)
     if any(v is not None and v < 1 for v in (args.steps, args.repeats)):
         parser.error("--steps and --repeats must be >= 1")
-    if torch.device(args.device).type == "cuda" and not torch.cuda.is_available():
-        parser.error("--device cuda: CUDA is not available")
-    return args
+    return check_device(parser, args)
 
 
 def _model_name(shape: dict[str, int]) -> str:
@@ -318,18 +303,13 @@ def main(argv: list[str] | None = None) -> int:
     print("|---|---|---|---|---|---|---|")
     for row in rows:
         print(row["maxima_line"])
-    first = rows[0]
     report = {
         "machine": machine,
         "settings": {"models": shapes, "repeats": repeats, "threshold": 100.0, "steps": [r["steps"] for r in rows]},
         "runs": [run for row in rows for run in row["runs"] + row["every_step_runs"]],
-        "attention": first["attention"],
-        "result": {k: v for k, v in first.items() if k not in ("runs", "every_step_runs", "attention")},  # 1st row
         "rows": [{k: v for k, v in row.items() if k not in ("runs", "every_step_runs")} for row in rows],
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_report(args.out, report)
     return 0
 
 

@@ -28,7 +28,6 @@ its memory: ``UpdateSpectrumMonitor`` (every step), ``QKClip`` and both, against
 from __future__ import annotations
 
 import argparse
-import json
 import logging
 import statistics
 import sys
@@ -39,13 +38,11 @@ from typing import Any
 
 import lightning.pytorch as pl
 import torch
-from benchlib.harness import check_device, describe_machine, machine_line, sync, timed_fit
+from benchlib.harness import check_device, demo_fit, describe_machine, machine_line, sync, write_report
 from benchlib.memory import add_memory_arguments, memory_settings, run_memory
 from benchlib.memory_callbacks import bench_callbacks, model_size, print_callbacks
 
 from lightning_muon import UpdateSpectrumMonitor
-from lightning_muon_demo.data import CharTextDataModule
-from lightning_muon_demo.module import CharGPTModule
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_spectra.json"
 MEMORY_OUT = DEFAULT_OUT.with_name("bench_spectra_memory.json")
@@ -95,16 +92,6 @@ class _TimedMonitor(UpdateSpectrumMonitor):
 def _fit(
     shape: dict[str, int], steps: int, every: int, monitored: bool, workdir: Path, device: torch.device
 ) -> dict[str, Any]:
-    pl.seed_everything(0, verbose=False)
-    model = CharGPTModule(
-        n_layer=shape["n_layer"], n_head=shape["n_head"], n_embd=shape["n_embd"], block_size=shape["block_size"]
-    )
-    data = CharTextDataModule(
-        block_size=shape["block_size"],
-        batch_size=shape["batch_size"],
-        max_chars=300_000,
-        train_samples_per_epoch=shape["batch_size"] * steps,
-    )
     callbacks: list[pl.Callback] = []
     monitor = _TimedMonitor(every_n_steps=every) if monitored else None
     if monitor is not None:
@@ -117,7 +104,7 @@ def _fit(
         from lightning.pytorch.loggers import CSVLogger
 
         logger = CSVLogger(workdir, name="monitored" if monitored else "baseline")
-    seconds = timed_fit(model, data, device, steps, logger, callbacks, every)
+    seconds = demo_fit(shape, steps, device, logger, callbacks, every)
     return {
         "monitored": monitored,
         "seconds": seconds,
@@ -215,9 +202,7 @@ def main(argv: list[str] | None = None) -> int:
             "line": line,
         },
     }
-    args.out.parent.mkdir(parents=True, exist_ok=True)
-    args.out.write_text(json.dumps(report, indent=2))
-    print(f"wrote {args.out}", file=sys.stderr)
+    write_report(args.out, report)
     return 0
 
 

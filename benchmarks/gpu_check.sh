@@ -26,7 +26,7 @@
 #         docstring-parser==0.18.0 typeshed-client==2.15.0 schedulefree==1.4.1 litgpt==0.5.13 psutil
 #
 # Optional, in case the GPU machine lacks matplotlib too (the PNGs of the main job and of
-# benchmarks/scale_model.py): binary wheels, so one download per Python version (about 49 MB
+# studies/scale_model.py): binary wheels, so one download per Python version (about 49 MB
 # for 3.11 and 3.12 together; pip picks the one that fits there):
 #
 #     for v in 3.11 3.12; do pip download --no-deps --only-binary=:all: \
@@ -262,7 +262,7 @@ if [ "$SMOKE" = 1 ]; then
     step pytest_cuda 60 "$PY" -m pytest -q -x -p no:cacheprovider -m cuda tests/test_cuda.py
     step bench_optimizer 60 "$PY" benchmarks/bench_optimizer.py --device cpu --quick --threads 1 \
         --sections roofline step --out "$OUT/bench_optimizer.json"
-    step scale_model 60 "$PY" benchmarks/scale_model.py --device cpu --profile this-cpu --preset gpt2-small \
+    step scale_model 60 "$PY" studies/scale_model.py --device cpu --profile this-cpu --preset gpt2-small \
         --worlds 8 --tp-degrees 2 --out "$OUT/scale_model.json"
     step memory 60 "$PY" benchmarks/bench_optimizer.py --device cpu --quick --threads 1 --sections memory \
         --out "$OUT/memory.json"
@@ -286,7 +286,7 @@ else
         --out "$OUT/bench_optimizer.json"
     # GEMM, Newton-Schulz and copy rates measured on this GPU, then the predicted optimizer +
     # exposed-communication time as "% of step" for GPT-2 small (d=768 x 12) and 1.3B (d=2048 x 24).
-    step scale_model 120 "$PY" benchmarks/scale_model.py --device cuda --preset gpt2-small 1.3b \
+    step scale_model 120 "$PY" studies/scale_model.py --device cuda --preset gpt2-small 1.3b \
         --out "$OUT/scale_model.json"
     # torch.cuda.max_memory_allocated per step, ours against torch.optim.Muon and AdamW, then with the
     # post-step callbacks (one GPU: the multi-rank memory measurements need a GPU per rank).

@@ -20,14 +20,16 @@ from __future__ import annotations
 
 import os
 import warnings
+from collections.abc import Iterator
+from contextlib import contextmanager
 from pathlib import Path
 from typing import Any
 
 import lightning as L
 import torch
-from benchlib.counting import NSCounter
 from torch import nn
 
+import lightning_muon.functional as functional
 from lightning_muon import AdamWSettings, MomentumWarmup, MuonConfig, MuonSettings, ScheduleSettings
 
 MICRO = 6  # samples per micro-batch over all ranks
@@ -76,6 +78,25 @@ def loss_of(kind: str, model: nn.Module, x: torch.Tensor, y: torch.Tensor) -> to
     return nn.functional.mse_loss(out, y)
 
 
+@contextmanager
+def orthogonalized() -> Iterator[list[int]]:
+    """``[n]``: the matrices ``Muon`` orthogonalizes inside the block, a stacked ``(K, m, n)`` batch counting K.
+
+    Counted where they run: every Muon step hands its matrices to ``functional.orthogonalize_many``.
+    """
+    count, original = [0], functional.orthogonalize_many
+
+    def counted(matrices: list[torch.Tensor], *args: Any, **kwargs: Any) -> Any:
+        count[0] += sum(m.numel() // max(1, m.shape[-2] * m.shape[-1]) for m in matrices)
+        return original(matrices, *args, **kwargs)
+
+    functional.orthogonalize_many = counted
+    try:
+        yield count
+    finally:
+        functional.orthogonalize_many = original
+
+
 def full_params(model: nn.Module) -> dict[str, torch.Tensor]:
     """Every parameter whole, on every rank (DTensors gathered)."""
     out = {}
@@ -96,8 +117,6 @@ def train(fabric: L.Fabric, spec: dict[str, Any]) -> dict[str, Any]:
     ``fabric.no_backward_sync``.
     """
     kind, accumulate = spec["kind"], spec.get("accumulate", 1)
-    counter = NSCounter()
-    counter.install()
     model = make_model(kind)
     if spec.get("setup", "joint") == "joint":
         optimizer, scheduler = CONFIG.build(model)
@@ -112,28 +131,27 @@ def train(fabric: L.Fabric, spec: dict[str, Any]) -> dict[str, Any]:
         fabric.load(spec["load"], state)
         start = state["step"]
     rank, world = fabric.global_rank, fabric.world_size
-    counter.phase = "train"
-    for step in range(start, spec["steps"]):
-        for micro in range(accumulate):
-            x, y = fabric.to_device(batch(kind, step, micro, *_data_rank_and_world(fabric)))
-            # no_sync=False: every micro-batch's backward synchronizes (plain DDP then all-reduces each).
-            with fabric.no_backward_sync(model, enabled=spec.get("no_sync", True) and micro < accumulate - 1):
-                fabric.backward(loss_of(kind, model, x, y) / accumulate)
-        if spec.get("clip") is not None:
-            fabric.clip_gradients(model, optimizer, max_norm=spec["clip"])
-        optimizer.step()
-        optimizer.zero_grad()
-        scheduler.step()
-        if spec.get("save") and step + 1 == spec["save_at"]:
-            fabric.save(
-                spec["save"], {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": step + 1}
-            )
-    counter.phase = None
+    with orthogonalized() as matrices:
+        for step in range(start, spec["steps"]):
+            for micro in range(accumulate):
+                x, y = fabric.to_device(batch(kind, step, micro, *_data_rank_and_world(fabric)))
+                # no_sync=False: every micro-batch's backward synchronizes (plain DDP then all-reduces each).
+                with fabric.no_backward_sync(model, enabled=spec.get("no_sync", True) and micro < accumulate - 1):
+                    fabric.backward(loss_of(kind, model, x, y) / accumulate)
+            if spec.get("clip") is not None:
+                fabric.clip_gradients(model, optimizer, max_norm=spec["clip"])
+            optimizer.step()
+            optimizer.zero_grad()
+            scheduler.step()
+            if spec.get("save") and step + 1 == spec["save_at"]:
+                fabric.save(
+                    spec["save"], {"model": model, "optimizer": optimizer, "scheduler": scheduler, "step": step + 1}
+                )
     shardings = fabric.strategy.shardings if hasattr(fabric.strategy, "shardings") else []
     return {
         "params": full_params(model),
         **counts(shardings[0] if shardings else None),
-        "matrices": counter.matrices["train"],
+        "matrices": matrices[0],
         "muon_matrices": sum(len(g["params"]) for g in optimizer.param_groups if g["algorithm"] == "muon"),
         "mean_rank": float(fabric.all_reduce(torch.tensor(float(rank)), reduce_op="mean")),
         "world": world,
@@ -240,10 +258,4 @@ def spawn_worker(fabric: L.Fabric, spec: dict[str, Any]) -> None:
 
 def one_process(spec: dict[str, Any]) -> dict[str, Any]:
     """``train`` in this process on one CPU device, plain ``Muon`` (no sharding): the reference."""
-    import lightning_muon.functional as functional
-
-    original = functional.orthogonalize_many  # train() counts through a wrapper: take it off after
-    try:
-        return train(L.Fabric(accelerator="cpu", devices=1), spec)
-    finally:
-        functional.orthogonalize_many = original
+    return train(L.Fabric(accelerator="cpu", devices=1), spec)

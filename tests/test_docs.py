@@ -13,8 +13,9 @@ The reason must say it needs a GPU or several processes, and the named test must
 that test runs the same thing. A ```yaml block with a ``muon_config`` (under
 ``model.init_args``, as LightningCLI reads it) must make a valid ``MuonConfig``.
 
-Every relative link of README.md, docs/*.md, benchmarks/README.md and examples/*/README.md
-must reach an existing file, and a ``#anchor`` into a Markdown file one of its headings.
+Every relative link of README.md, docs/*.md, benchmarks/README.md, studies/ (its README and
+results) and examples/*/README.md must reach an existing file, and a ``#anchor`` into a
+Markdown file one of its headings.
 """
 
 from __future__ import annotations
@@ -32,7 +33,13 @@ from lightning_muon import MuonConfig
 
 ROOT = Path(__file__).resolve().parents[1]
 PAGES = [ROOT / "README.md", *sorted((ROOT / "docs").glob("*.md"))]
-LINKED = [*PAGES, ROOT / "benchmarks" / "README.md", *sorted((ROOT / "examples").glob("*/README.md"))]
+LINKED = [
+    *PAGES,
+    ROOT / "benchmarks" / "README.md",
+    ROOT / "studies" / "README.md",
+    *sorted((ROOT / "studies" / "results").glob("*.md")),
+    *sorted((ROOT / "examples").glob("*/README.md")),
+]
 
 FENCE = re.compile(r"^```(\w*)\s*$")
 NOT_RUN = re.compile(r"^<!-- not run: (?P<reason>[^;]+); tested by (?P<test>tests/[\w/]+\.py::\w+) -->$")

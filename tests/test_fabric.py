@@ -3,7 +3,7 @@
 Every multi-rank run is compared with the same loop on one process (plain ``Muon``, no
 sharding) over the same global batches, in fp32 Newton-Schulz, and its bytes per collective
 with the Trainer's strategy of the same name on the same model, run in the same processes.
-Newton-Schulz is counted where it runs (``benchmarks/counting.py``'s ``NSCounter``): each Muon
+Newton-Schulz is counted where it runs (``fabric_modules.orthogonalized``): each Muon
 matrix once per step over the data-parallel ranks.
 """
 

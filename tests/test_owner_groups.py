@@ -2,7 +2,7 @@
 
 One 4-rank Lightning fit (2 groups of 2, overlap on, clipping, accumulation, resumed from
 a one-process checkpoint and resumed again on one process) against one process, with its
-bytes per link class against the scale model; one 2-rank launch for the overlap's order,
+bytes per collective against the owner plan; one 2-rank launch for the overlap's order,
 ``no_sync`` and bitwise agreement with the unbucketed reduce.
 """
 
@@ -11,7 +11,6 @@ from __future__ import annotations
 import pytest
 import torch
 import torch.distributed as dist
-from benchlib import scale_counts as sc
 from ddp_modules import TinyRegressor
 from dist_utils import run_distributed
 from test_ddp_strategy import CONFIG, FP32, _assert_all_equal, _fit, _ranks, _spawn
@@ -19,7 +18,9 @@ from torch import nn
 from torch.nn.parallel import DistributedDataParallel
 
 from lightning_muon import Muon, MuonDDPStrategy, route_parameters
+from lightning_muon.distributed.comm import all_reduce_bytes
 from lightning_muon.distributed.ddp import MuonDDPSharding
+from lightning_muon.distributed.planning import plan_ownership
 
 pytestmark = [pytest.mark.distributed, pytest.mark.policy_free]  # policy_free: see conftest.py
 
@@ -52,21 +53,27 @@ def test_four_ranks_as_two_groups_of_two_equal_one_process(tmp_path):
     _fit(tmp_path / "one", "auto", 1, steps=6, ckpt_path=saved, **kwargs)
     _assert_all_equal(_ranks(tmp_path / "one", 1), _ranks(tmp_path / "ref6", 1)[0], **FP32)
 
-    # Bytes per link class, counted by MuonDDPSharding, equal the scale model's with the two
-    # groups on two "nodes" of 2: reduce_scatter and all_gather inside, reduce_across between.
-    model = TinyRegressor(CONFIG)
-    shapes = sc.shapes_from_optimizer("TinyRegressor", model, Muon(route_parameters(model), lr=0.02))
-    predicted = sc.ddp_counts(shapes, 4, 2, 2, ns_dtype=torch.float32)["ranks"]
+    # Bytes per collective, counted by MuonDDPSharding, against the owner plan of a group of 2
+    # (every group holds the same plan): each rank sends its group peer the gradients the peer
+    # owns (one flag element per matrix with them), all-reduces what it owns with the same
+    # local rank of the other group, and sends its peer its new matrices; one fp32 flag
+    # all-reduced over all 4 ranks.
+    groups = Muon(route_parameters(TinyRegressor(CONFIG)), lr=0.02).param_groups
+    muon = [p for g in groups if g["algorithm"] == "muon" for p in g["params"]]
+    plan = plan_ownership([p.shape for p in muon], 2)
+    owned = [plan.elements(r) for r in range(2)]
+    payload = [owned[r] + len(plan.owned(r)) for r in range(2)]  # gradients + one flag per matrix
     steps = 2  # optimizer steps 3 and 4 ran here
-    for rank, (result, pred) in enumerate(zip(results, predicted)):
-        comm = result["comm"]
-        intra = comm["reduce_scatter"] + comm["all_gather"]
-        assert intra == pytest.approx(steps * (pred["links"]["reduce_scatter"][0] + pred["links"]["all_gather"][0]))
-        assert comm["reduce_across"] == pytest.approx(steps * pred["links"]["reduce_across"][1]), rank
-        for op in ("reduce_scatter", "reduce_across", "all_gather", "nonfinite_flag"):
-            assert comm[op] == pytest.approx(steps * pred["bytes"][op]), (rank, op)
-        assert pred["links"]["reduce_scatter"][1] == pred["links"]["all_gather"][1] == 0.0
-        assert pred["links"]["reduce_across"][0] == 0.0
+    for rank, result in enumerate(results):
+        mine, peer = rank % 2, 1 - rank % 2
+        expected = {
+            "reduce_scatter": payload[peer] * 4,
+            "reduce_across": all_reduce_bytes(payload[mine], 4, 2),
+            "all_gather": owned[mine] * 4,
+            "nonfinite_flag": all_reduce_bytes(1, 4, 4),
+        }
+        for op, sent in expected.items():
+            assert result["comm"][op] == pytest.approx(steps * sent), (rank, op)
 
 
 class _Net(nn.Module):

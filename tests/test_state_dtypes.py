@@ -14,7 +14,7 @@ import dataclasses
 
 import pytest
 import torch
-from benchlib.step_table import gpt_parameters
+from param_sets import gpt_parameters
 from torch import nn
 
 from lightning_muon import (

@@ -2,12 +2,10 @@
 
 from __future__ import annotations
 
-import sys
-from pathlib import Path
-
 import pytest
 import torch
 from dist_utils import run_distributed
+from param_sets import gpt_parameters
 from step_memory_modules import ddp_worker, fsdp_worker
 from torch.distributed._tools.mem_tracker import MemTracker
 
@@ -16,9 +14,6 @@ from lightning_muon.algorithms import HparamError
 from lightning_muon.algorithms.muon import matrix_working_bytes
 from lightning_muon.layout import MatrixLayout
 from lightning_muon.step_memory import AUTO_STEP_MEMORY_MB, plan_rounds, step_memory_bytes
-
-sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
-from benchlib.step_table import gpt_parameters
 
 pytestmark = [pytest.mark.policy_free]  # every dtype pinned: runs alike under either bf16 policy
 

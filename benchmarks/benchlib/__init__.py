@@ -14,9 +14,10 @@ here imports an entry script or the tests.
 - ``memory``: memory per rank of one optimizer step (the meter, the flags, the tables), and
   its measurements beside what they measure: ``memory_optimizer`` (``bench_optimizer.py
   --sections memory``), ``memory_ranks`` (``bench_ddp.py``, ``bench_fsdp.py``, ``bench_tp.py``
-  ``--memory``), ``memory_callbacks`` (``bench_spectra.py --memory``);
-- ``scale_profiles``, ``scale_counts``, ``scale_designs``, ``scale_memory``: ``scale_model.py``'s
-  hardware profiles, bytes and FLOPs per design, time per step, and memory per rank.
+  ``--memory``), ``memory_callbacks`` (``bench_spectra.py --memory``).
+
+The studies built on these measurements (the scale model, the Emerging-Optimizers side by
+side) live in ``studies/``.
 """
 
 __all__ = [
@@ -31,10 +32,6 @@ __all__ = [
     "ns_tables",
     "quality_table",
     "ranks",
-    "scale_counts",
-    "scale_designs",
-    "scale_memory",
-    "scale_profiles",
     "step_table",
     "timing",
     "tp_blocks",

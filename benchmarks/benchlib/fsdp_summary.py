@@ -1,9 +1,9 @@
 """The FSDP2 benchmark's settings, targets, summary and tables (``bench_fsdp.py`` measures, this reads).
 
 ``summarize`` turns every rank's raw counts and times into bytes, FLOPs and times per
-configuration and the two targets; ``projection`` carries the bytes to larger W by the
-formulas the measured W checks; ``print_report`` prints the tables. benchmarks/README.md
-("bench_fsdp.py") says what each row measures and why.
+configuration and the two targets; ``print_report`` prints the tables (larger W:
+``studies/scale_model.py``). benchmarks/README.md ("bench_fsdp.py") says what each row
+measures and why.
 """
 
 from __future__ import annotations
@@ -104,29 +104,6 @@ def summarize(s: Settings, ranks: list[dict[str, Any]]) -> dict[str, Any]:
     }
 
 
-def projection(s: Settings, first: dict[str, Any], summary: dict[str, Any], worlds=(2, 4, 8, 16, 64)) -> list:
-    """Bytes per rank and step at larger W, from the formulas the measured W checks.
-
-    Owner: ``2 (W - 1) / W^2 * P`` elements (its rows of the others' matrices out, the rows
-    of its own matrices back); gather-all: ``(W - 1) / W * P``; FSDP2's own traffic scales
-    as ``(W - 1) / W`` from the value measured here.
-    """
-    muon, itemsize = first["numel"]["muon"], 2 if first["wire_dtype"] == "bfloat16" else 4
-    w0 = s.world_size
-    fsdp = max(summary["bytes"]["adamw"]["fsdp"]) / ((w0 - 1) / w0)
-    rows = []
-    for w in worlds:
-        rows.append(
-            {
-                "world_size": w,
-                "owner_mb": 2 * (w - 1) / w**2 * muon * itemsize / 1e6,
-                "gather_all_mb": (w - 1) / w * muon * itemsize / 1e6,
-                "fsdp_mb": (w - 1) / w * fsdp / 1e6,
-            }
-        )
-    return rows
-
-
 def print_report(s: Settings, ranks: list[dict[str, Any]], summary: dict[str, Any]) -> None:
     first, w = ranks[0], s.world_size
     b, f, t = summary["bytes"], summary["flops"], summary["times"]
@@ -171,14 +148,5 @@ def print_report(s: Settings, ranks: list[dict[str, Any]], summary: dict[str, An
     )
     ratio = summary["muon_bytes_owner_over_gather_all"]
     print(f"owner Muon bytes / gather_all Muon bytes = {ratio:.3f} (2/W = {2 / w:.3f})")
-    print("\n== Muon MB per rank and step at larger W (formulas; the measured W checks them) ==")
-    proj = projection(s, first, summary)
-    print(
-        table(
-            ["W", "owner", "gather_all", "FSDP2 (AdamW)"],
-            [[p["world_size"], p["owner_mb"], p["gather_all_mb"], p["fsdp_mb"]] for p in proj],
-            fixed_cell,
-        )
-    )
     for t in summary["targets"]:
         print(f"target {t['name']}: {t['value']:.3f} {t['op']} {t['bound']:.3f} {verdict(t['passed'])}")

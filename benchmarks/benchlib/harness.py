@@ -8,7 +8,8 @@
 - The machine: :func:`describe_machine` (CPU model, cores, torch build, GPUs, load) and
   :func:`machine_line`, the line every benchmark prints first, so that each number in a
   run comes with the machine it was measured on; :func:`sync` before every clock read.
-- Fits: :func:`timed_fit`, a Lightning fit timed from its first batch to its end.
+- Fits: :func:`timed_fit`, a Lightning fit timed from its first batch to its end;
+  :func:`demo_fit`, the same for the demo CharGPT at a given shape.
 
 The multi-process benchmarks' launcher, flags, model and batches are in ``ranks``.
 """
@@ -202,6 +203,23 @@ def timed_fit(
         warnings.simplefilter("ignore")  # small-dataset and logging notices
         trainer.fit(model, data)
     return clock.end - clock.start
+
+
+def demo_fit(
+    shape: dict[str, int], steps: int, device: torch.device, logger: Any, callbacks: list[pl.Callback], log_every: int
+) -> float:
+    """``timed_fit`` of the demo CharGPT (``lightning_muon_demo``) at ``shape``'s ``n_layer``, ``n_head``,
+    ``n_embd``, ``block_size`` and ``batch_size``, from seed 0, on exactly ``steps`` batches of the bundled text."""
+    from lightning_muon_demo.data import CharTextDataModule
+    from lightning_muon_demo.module import CharGPTModule
+
+    pl.seed_everything(0, verbose=False)
+    dims = {k: shape[k] for k in ("n_layer", "n_head", "n_embd", "block_size")}
+    batch = shape["batch_size"]
+    data = CharTextDataModule(
+        block_size=shape["block_size"], batch_size=batch, max_chars=300_000, train_samples_per_epoch=batch * steps
+    )
+    return timed_fit(CharGPTModule(**dims), data, device, steps, logger, callbacks, log_every)
 
 
 def progress(message: str) -> None:

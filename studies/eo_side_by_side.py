@@ -6,7 +6,7 @@ dependency)::
     pip download --no-deps --python-version 3.12 --only-binary=:all: emerging-optimizers==0.3.0 -d /tmp/eo
     (cd /tmp/eo && unzip -q -o emerging_optimizers-0.3.0-py3-none-any.whl)
     pip install absl-py
-    python benchmarks/eo_side_by_side.py --eo /tmp/eo
+    python studies/eo_side_by_side.py --eo /tmp/eo
 
 On Python 3.11 the wheel imports after two shims, applied here: ``typing.override`` (new in
 3.12) as the identity, and an empty ``emerging_optimizers.triton_kernels`` module (Triton
@@ -28,9 +28,13 @@ import types
 import typing
 from collections.abc import Callable
 from dataclasses import dataclass, field
+from pathlib import Path
 from typing import Any
 
 import torch
+
+# The benchmarks' machine line and device check (benchmarks/benchlib/harness.py): one way to say where a number ran.
+sys.path.insert(0, str(Path(__file__).resolve().parents[1] / "benchmarks"))
 from benchlib.harness import check_device, describe_machine, machine_line
 
 SHAPES = [(64, 32), (48, 64), (64, 64), (96, 64)]

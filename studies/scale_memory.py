@@ -18,7 +18,7 @@ shard). The parts:
   transient one full-size temporary of the rank's whole shard in the state dtype.
 
 ``EXCHANGE_FACTOR`` is calibrated on ``bench_fsdp.py --memory`` (CharGPT d=768 x 2,
-W = 2, fp32, CPU cap 32 MiB): see ``tests/test_scale_memory.py``.
+W = 2, fp32, CPU cap 32 MiB): see ``check_scale_model.py``.
 """
 
 from __future__ import annotations

@@ -15,7 +15,7 @@ from __future__ import annotations
 import math
 from typing import Any
 
-from benchlib.scale_counts import (
+from scale_counts import (
     Matrix,
     ModelShapes,
     NodeSums,
@@ -25,7 +25,8 @@ from benchlib.scale_counts import (
     fsdp_counts,
     ns_flops_of,
 )
-from benchlib.scale_profiles import Profile
+from scale_profiles import Profile
+
 from lightning_muon.distributed.planning import expert_blocks, plan_ownership
 from lightning_muon.distributed.tp_math import tp_bytes, tp_ns_flops
 from lightning_muon.layout import MatrixLayout

@@ -37,14 +37,14 @@ grads, optimizer state, the step's transient) against FSDP2 + AdamW, for 8B and 
 
 Usage::
 
-    python benchmarks/scale_model.py                                  # H100 table, 3 presets, W = 8..1024
-    python benchmarks/scale_model.py --preset gpt2-small --group-size 4
-    python benchmarks/scale_model.py --set inter_gbps=25 --set ns_fraction=0.4
-    python benchmarks/scale_model.py --module lightning_muon_demo.models.CharGPT --init-args '{"n_embd": 256}'
-    python benchmarks/scale_model.py --profile this-cpu               # measures this host first
-    python benchmarks/scale_model.py --device cuda                    # measures this GPU first (--profile this-gpu)
-    python benchmarks/scale_model.py --worlds 64 1024 --sweep-group-sizes 1 2 4 8 16 32
-    python benchmarks/scale_model.py --preset gpt2-small --memory-models 70b   # memory table: the 70B only
+    python studies/scale_model.py                                  # H100 table, 3 presets, W = 8..1024
+    python studies/scale_model.py --preset gpt2-small --group-size 4
+    python studies/scale_model.py --set inter_gbps=25 --set ns_fraction=0.4
+    python studies/scale_model.py --module lightning_muon_demo.models.CharGPT --init-args '{"n_embd": 256}'
+    python studies/scale_model.py --profile this-cpu               # measures this host first
+    python studies/scale_model.py --device cuda                    # measures this GPU first (--profile this-gpu)
+    python studies/scale_model.py --worlds 64 1024 --sweep-group-sizes 1 2 4 8 16 32
+    python studies/scale_model.py --preset gpt2-small --memory-models 70b   # memory table: the 70B only
 """
 
 from __future__ import annotations
@@ -57,11 +57,11 @@ from dataclasses import asdict
 from pathlib import Path
 
 import torch
-from benchlib.scale_counts import PRESETS, ModelShapes, shapes_from_module
-from benchlib.scale_designs import TP_DEGREES, predict, predict_tp
-from benchlib.scale_memory import MODELS as MEMORY_MODELS
-from benchlib.scale_memory import memory_table, print_memory_table
-from benchlib.scale_profiles import Profile, h100_profile, measure_profile
+from scale_counts import PRESETS, ModelShapes, shapes_from_module
+from scale_designs import TP_DEGREES, predict, predict_tp
+from scale_memory import MODELS as MEMORY_MODELS
+from scale_memory import memory_table, print_memory_table
+from scale_profiles import Profile, h100_profile, measure_profile
 
 from lightning_muon.distributed.tp_math import TP_MODES
 
