@@ -55,10 +55,9 @@ from benchlib.ranks import (
 )
 from torch import Tensor
 
-import lightning_muon.functional as functional
 from lightning_muon import Muon, route_parameters
 from lightning_muon.distributed.fsdp import MuonFSDPSharding, _matrix_shape, shard_rows
-from lightning_muon.distributed.protocol import ns_wire_dtype
+from lightning_muon.newton_schulz import ns_wire_dtype
 from lightning_muon_demo.models import CharGPT
 
 DEFAULT_OUT = Path(__file__).resolve().parent / "results" / "bench_fsdp.json"
@@ -74,13 +73,23 @@ class GatherAllSharding(MuonFSDPSharding):
     """The baseline: every rank gathers every whole matrix (one all-gather) and orthogonalizes all of them."""
 
     @torch.no_grad()
-    def orthogonalize(
-        self, params: list[Tensor], updates: list[Tensor], *, observe: bool = True, **ns_kwargs: Any
+    def map_whole(
+        self,
+        params: list[Tensor],
+        tensors: list[list[Tensor]],
+        fn: Any,
+        *,
+        layout: Any = None,
+        wire_dtype: torch.dtype | None = None,
+        observe: Any = None,
+        newton_schulz: dict[str, Any] | None = None,
     ) -> list[list[Tensor]]:
-        W, layout = self.world_size, ns_kwargs["layout"]
+        if newton_schulz is None or layout is None:  # other per-matrix work: the owners' way
+            return super().map_whole(params, tensors, fn, layout=layout, wire_dtype=wire_dtype, observe=observe)
+        W, updates = self.world_size, [ts[0] for ts in tensors]
         rows = [shard_rows(u.shape[0], W) for u in updates]
         pad = [max(r) for r in rows]  # every rank sends equal-sized (padded) pieces
-        wire = ns_wire_dtype(updates, ns_kwargs.get("ns_dtype")) or updates[0].dtype
+        wire = wire_dtype or updates[0].dtype
         pieces = []
         for u, p in zip(updates, pad):
             local = self.local_shard(u).to(wire)
@@ -101,7 +110,7 @@ class GatherAllSharding(MuonFSDPSharding):
             block = gathered[:, offset : offset + p * cols].reshape(W, p, cols)
             full.append(torch.cat([block[s, : r[s]] for s in range(W)]).view(u.shape).to(u.dtype))
             offset += p * cols
-        ortho = functional.muon_orthogonalize([f.view(_matrix_shape(f.shape, layout)) for f in full], **ns_kwargs)
+        ortho = fn(list(range(len(full))), [[f.view(_matrix_shape(f.shape, layout))] for f in full])
         out = []
         for o, u, r in zip(ortho, updates, rows):
             start = sum(r[: self.rank])
