@@ -21,12 +21,12 @@ from lightning_muon.algorithms import (
 )
 from lightning_muon.callbacks import QKClip, ScheduleFreeModeSwitch, UpdateSpectrumMonitor
 from lightning_muon.config import MuonConfig
-from lightning_muon.hparams import StateSettings
 from lightning_muon.module import MuonModuleMixin, build_optimizers, build_schedulers, configure_muon_optimizers
 from lightning_muon.muon import Muon
 from lightning_muon.newton_schulz import COEFFICIENTS, orthogonalize
 from lightning_muon.routing import ParamGroups, RoutingSettings, Rule, route_parameters
 from lightning_muon.schedules import LRSchedule, MomentumWarmup, MuonScheduler, ScheduleSettings
+from lightning_muon.state_settings import StateSettings
 from lightning_muon.strategies import MuonDDPStrategy, MuonFSDPStrategy
 
 __all__ = [

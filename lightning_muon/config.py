@@ -24,7 +24,7 @@ ALGORITHM`` lists an algorithm's settings with their docs.
 from __future__ import annotations
 
 import dataclasses
-from collections.abc import Mapping
+from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -42,13 +42,14 @@ from lightning_muon.algorithms import (
     per_matrix,
 )
 from lightning_muon.algorithms.adamw_schedulefree import schedulefree
-from lightning_muon.aliases import megatron_sections
-from lightning_muon.hparams import OptimizerConfig, StateSettings, settings_by_algorithm
+from lightning_muon.algorithms.base import settings_by_algorithm
+from lightning_muon.megatron import megatron_sections
 from lightning_muon.muon import Muon
 from lightning_muon.routing.added_groups import ModuleRouter
-from lightning_muon.routing.rules import RoutingConfig
+from lightning_muon.routing.rules import ParamGroups
 from lightning_muon.routing.settings import RoutingSettings
 from lightning_muon.schedules import LRSchedule, MomentumWarmup, MuonScheduler, ScheduleSettings
+from lightning_muon.state_settings import StateSettings
 
 __all__ = ["MuonConfig"]
 
@@ -153,21 +154,25 @@ class MuonConfig:
 
     # ------------------------------------------------------------------ views
 
-    @property
-    def optimizer(self) -> OptimizerConfig:
-        """The optimizer's settings: each algorithm's (matrix, scalar, others) and the state's."""
-        return OptimizerConfig(
-            settings=settings_by_algorithm([self.matrix, self.scalar, *self.others]), state=self.state
-        )
-
     def settings_of(self, algorithm: str) -> Settings:
         """The settings groups of ``algorithm`` start from (its defaults where no section names it)."""
-        return self.optimizer.settings_of(get_algorithm(algorithm).name)
+        name = get_algorithm(algorithm).name
+        given = settings_by_algorithm([self.matrix, self.scalar, *self.others]).get(name)
+        return given if given is not None else get_algorithm(name).settings()
 
-    @property
-    def routing_config(self) -> RoutingConfig:
-        """``route_parameters``' arguments: the routing section with the matrix and scalar algorithms."""
-        return self.routing.resolve(self.matrix.algorithm, self.scalar.algorithm)
+    def make_optimizer(self, params: Iterable[Any]) -> Muon:
+        """A ``Muon`` over ``params`` (tensors, named tensors or param groups) with these settings: the sections'
+        objects themselves, and the state section's fields as its keywords."""
+        return Muon(params, settings=[self.matrix, self.scalar, *self.others], **dataclasses.asdict(self.state))
+
+    def route(self, module: nn.Module) -> ParamGroups:
+        """``module``'s trainable parameters in named param groups: the routing section's rules, with the matrix and
+        scalar sections' algorithms for the default rules (``RoutingSettings.route``)."""
+        return self.routing.route(module, self.matrix.algorithm, self.scalar.algorithm)
+
+    def router(self, module: nn.Module) -> ModuleRouter:
+        """Routes groups added to the optimizer later (``BackboneFinetuning``) by the same rules over ``module``."""
+        return ModuleRouter(module, self.routing, self.matrix.algorithm, self.scalar.algorithm)
 
     @property
     def uses_schedule_free(self) -> bool:
@@ -181,9 +186,8 @@ class MuonConfig:
         ``total_steps`` is the run's length where the schedule needs one and the config
         does not set it (``configure_muon_optimizers`` takes the trainer's estimate).
         """
-        routing = self.routing_config
-        optimizer = Muon.from_config(routing.build(module), self.optimizer)
-        optimizer.attach_router(ModuleRouter(module, routing))  # groups added later are routed alike
+        optimizer = self.make_optimizer(self.route(module))
+        optimizer.attach_router(self.router(module))  # groups added later are routed alike
         total = self.schedule.total_steps if total_steps is None else total_steps
         return optimizer, MuonScheduler(optimizer, self.schedule.build(total), self.schedule.momentum_warmup)
 

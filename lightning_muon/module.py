@@ -27,7 +27,6 @@ from lightning_muon.config import MuonConfig
 from lightning_muon.muon import Muon
 from lightning_muon.one_lr import apply_one_lr, reapply_schedule, retune_running_schedule
 from lightning_muon.routing import Rule
-from lightning_muon.routing.added_groups import ModuleRouter
 from lightning_muon.routing.param_groups import as_groups
 from lightning_muon.schedules import MuonScheduler
 
@@ -70,11 +69,10 @@ def configure_muon_optimizers(module: nn.Module, config: MuonConfig | dict[str, 
     unfreezing a backbone) are routed by the same rules (``added_groups.ModuleRouter``).
     """
     config = MuonConfig.from_any(config)
-    routing = config.routing_config
-    groups = routing.build(module)
+    groups = config.route(module)
     rank_zero_info(groups.report())
-    optimizer = Muon.from_config(groups, config.optimizer)
-    optimizer.attach_router(ModuleRouter(module, routing))  # a backbone unfrozen later is routed alike
+    optimizer = config.make_optimizer(groups)
+    optimizer.attach_router(config.router(module))  # a backbone unfrozen later is routed alike
     schedule = config.schedule.build(_total_steps(config, module))
     scheduler = MuonScheduler(optimizer, schedule, config.schedule.momentum_warmup)
     return {
@@ -246,12 +244,12 @@ def build_optimizers(
     stepping and ``eval()`` before evaluating or saving).
     """
     config = MuonConfig.from_any(config)
-    groups = list(config.routing_config.build(params)) if isinstance(params, nn.Module) else as_groups(params)
+    groups = list(config.route(params)) if isinstance(params, nn.Module) else as_groups(params)
     optimizers = []
     for algorithm in algorithm_names():
         chosen = [g for g in groups if g.get("algorithm", algorithm) == algorithm]
         if chosen:
-            optimizers.append(Muon.from_config(chosen, config.optimizer))
+            optimizers.append(config.make_optimizer(chosen))
     return optimizers
 
 

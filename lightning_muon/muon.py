@@ -25,7 +25,7 @@ from lightning_muon.algorithms import (
     get_algorithm,
 )
 from lightning_muon.algorithms.adamw_schedulefree import eval_mode_error
-from lightning_muon.algorithms.base import ALGORITHMS, StepContext
+from lightning_muon.algorithms.base import ALGORITHMS, StepContext, settings_by_algorithm
 from lightning_muon.algorithms.checks import HparamError
 from lightning_muon.algorithms.families import (
     AdjustLR,
@@ -45,12 +45,12 @@ from lightning_muon.algorithms.state_dtypes import (
 from lightning_muon.aliases import canonical_with_aliases, named_as_written, settings_from
 from lightning_muon.distributed.comm import all_reduce_
 from lightning_muon.functional import MomentumForm, SecondMoment
-from lightning_muon.hparams import NonFinite, OptimizerConfig, StateSettings, settings_by_algorithm
 from lightning_muon.newton_schulz import NSMethod
 from lightning_muon.nonfinite import FiniteChecks
 from lightning_muon.routing.added_groups import split_added_group
 from lightning_muon.routing.checkpoint import check_checkpoint_routing
 from lightning_muon.routing.param_groups import algorithm_of, as_groups, group_label, option_names, split_named_params
+from lightning_muon.state_settings import NonFinite, StateSettings
 from lightning_muon.step_memory import StepMemory
 
 # ``hook(group, params, updates, ortho)``: see ``Muon.register_update_hook``.
@@ -174,18 +174,11 @@ class Muon(Optimizer):
         main_params_dtype: MainParamsDtype | torch.dtype = _STATE.main_params_dtype,
         step_memory_mb: StepMemory = _STATE.step_memory_mb,
     ) -> None:
-        self._setup(params, _config_from_keywords(locals()))
-
-    @classmethod
-    def from_config(cls, params: Iterable[Any], config: OptimizerConfig) -> Muon:
-        """A ``Muon`` with the settings of ``config``, checked when it was made."""
-        optimizer = cls.__new__(cls)
-        optimizer._setup(params, config)
-        return optimizer
-
-    def _setup(self, params: Iterable[Any], config: OptimizerConfig) -> None:
-        self.config = config
-        """The settings, checked, as one config per algorithm."""
+        arguments = dict(locals())
+        self.settings: dict[str, Settings] = _settings_from_keywords(arguments)
+        """The settings new groups start from, by algorithm (one not given: its settings' defaults)."""
+        self.state_settings = StateSettings(**{f.name: arguments[f.name] for f in dataclasses.fields(StateSettings)})
+        """The non-finite policy, the state dtypes and the step's memory cap."""
         self.fresh = True
         """True until the first step or ``load_state_dict``: a step at lr 0 may then be torch's state creation."""
         self._attach_runtime(lost_sharding=None)
@@ -193,13 +186,13 @@ class Muon(Optimizer):
         # group, and LearningRateMonitor would read ``betas`` from every group if it were here.
         self._constructing = True
         try:
-            super().__init__(as_groups(params), {"momentum": config.settings_of("muon").momentum})
+            super().__init__(as_groups(params), {"momentum": self.settings_of("muon").momentum})
         finally:
             del self._constructing
 
     def _attach_runtime(self, lost_sharding: str | None) -> None:
         """What a step works with and a copy does not carry: sharding, router, update hooks, checks, caches."""
-        self.nonfinite = self.config.state.nonfinite
+        self.nonfinite = self.state_settings.nonfinite
         self._sharding: Sharding | None = None
         self._lost_sharding = lost_sharding  # the class of the sharding the original had, in a copy
         self._mesh_checked = False  # whether the first step looked for DTensors without a sharding
@@ -220,7 +213,7 @@ class Muon(Optimizer):
         several processes).
         """
         state = super().__getstate__()
-        state["config"] = self.config
+        state["settings"], state["state_settings"] = self.settings, self.state_settings
         state["fresh"] = self.fresh
         sharding = self._sharding
         state["_lost_sharding"] = type(sharding).__name__ if sharding is not None else self._lost_sharding
@@ -240,10 +233,15 @@ class Muon(Optimizer):
         """The keys a param group of ``algorithm`` may set (``param_groups.option_names``)."""
         return option_names(algorithm)
 
+    def settings_of(self, algorithm: str) -> Settings:
+        """The settings new groups of ``algorithm`` start from: this optimizer's for it, or its settings' defaults."""
+        given = self.settings.get(algorithm)
+        return given if given is not None else get_algorithm(algorithm).settings()
+
     def group_defaults(self, algorithm: str) -> dict[str, Any]:
-        """What a new group of ``algorithm`` starts from: this optimizer's settings for it (checked)."""
+        """What a new group of ``algorithm`` starts from: its settings as group keys (checked)."""
         if algorithm not in self._defaults:
-            self._defaults[algorithm] = self.config.group_defaults(algorithm)
+            self._defaults[algorithm] = get_algorithm(algorithm).group_defaults(self.settings_of(algorithm))
         return self._defaults[algorithm]
 
     @property
@@ -271,7 +269,7 @@ class Muon(Optimizer):
         where = group_label(len(self.param_groups), group)
         algorithm = algorithm_of(group, where)
         group["algorithm"] = algorithm.name
-        for setting, value in self.config.non_default_state_settings().items():
+        for setting, value in self.state_settings.non_default_dtypes().items():
             if setting not in algorithm.state_dtype_settings:
                 raise HparamError(
                     f"{where}: {setting}={value!r} does not apply to {algorithm.name!r} groups, which keep their "
@@ -354,10 +352,11 @@ class Muon(Optimizer):
         elif not checks.passes(work, sharding):
             return loss
         masters: list[tuple[Tensor, Tensor]] = []
-        if self.config.state.main_params_dtype is not None:
+        if self.state_settings.main_params_dtype is not None:
             work, masters = _main_params(self, work)  # bf16 parameters step on their fp32 master copies
         ctx = self._ctx  # what the step reads now: load_state_dict replaces the state
-        ctx.state, ctx.config, ctx.sharding, ctx.groups = self.state, self.config, sharding, self.param_groups
+        ctx.state, ctx.state_settings, ctx.sharding = self.state, self.state_settings, sharding
+        ctx.groups = self.param_groups
         finishing: dict[Algorithm, list[dict[str, Any]]] = {}  # Schedule-Free: steps all its groups at once
         try:
             with sharding.lent_state() if sharding is not None else contextlib.nullcontext():
@@ -386,7 +385,7 @@ class Muon(Optimizer):
         sharding = self._sharding
         work = [(group, *_collect(sharding, i, group)) for i, group in enumerate(self.param_groups)]
         masters: list[tuple[Tensor, Tensor]] = []
-        if self.config.state.main_params_dtype is not None:
+        if self.state_settings.main_params_dtype is not None:
             work, masters = _main_params(self, work)  # the fp32 master copies, made as a first step makes them
         ctx = self._context()
         try:
@@ -401,7 +400,8 @@ class Muon(Optimizer):
     def _context(self) -> StepContext:
         """The ``StepContext`` with what the step reads now (``load_state_dict`` replaces the state)."""
         ctx = self._ctx
-        ctx.state, ctx.config, ctx.sharding, ctx.groups = self.state, self.config, self._sharding, self.param_groups
+        ctx.state, ctx.state_settings, ctx.sharding = self.state, self.state_settings, self._sharding
+        ctx.groups = self.param_groups
         return ctx
 
     def _first_step_checks(self) -> None:
@@ -513,14 +513,14 @@ def _main_params(optimizer: Muon, work: list) -> tuple[list, list[tuple[Tensor, 
     writes the copy back into ``p``); its gradient is ``p``'s, in fp32. Returns the new
     work and the (parameter, master copy) pairs.
     """
-    if optimizer.config.state.main_params_dtype is None:
+    if optimizer.state_settings.main_params_dtype is None:
         return work, []
-    narrow = next((p for _, params, _ in work for p in params if has_main_param(optimizer.config, p)), None)
+    narrow = next((p for _, params, _ in work for p in params if has_main_param(optimizer.state_settings, p)), None)
     if narrow is None:
         return work, []
     if optimizer._sharding is not None:
         raise HparamError(
-            f"Muon: main_params_dtype={optimizer.config.state.main_params_dtype!r} keeps fp32 master copies in one "
+            f"Muon: main_params_dtype={optimizer.state_settings.main_params_dtype!r} keeps fp32 master copies in one "
             f"process only, and {narrow.dtype} parameters step under a sharding "
             f"({type(optimizer._sharding).__name__}); "
             "keep float32 parameters there (bf16-mixed precision) or leave main_params_dtype at None",
@@ -530,7 +530,7 @@ def _main_params(optimizer: Muon, work: list) -> tuple[list, list[tuple[Tensor, 
     for group, params, grads in work:
         stepped, upcast = [], []
         for p, g in zip(params, grads):
-            if has_main_param(optimizer.config, p):
+            if has_main_param(optimizer.state_settings, p):
                 entry = optimizer.state[p]
                 if MAIN_PARAM not in entry:
                     entry[MAIN_PARAM] = p.detach().to(torch.float32, copy=True)
@@ -599,10 +599,14 @@ def _local(t: Tensor) -> Tensor:
     return t.to_local() if hasattr(t, "to_local") else t
 
 
-def _config_from_keywords(arguments: dict[str, Any]) -> OptimizerConfig:
-    """The ``OptimizerConfig`` of ``Muon``'s keywords (``arguments``: its ``locals()``), each checked."""
-    # The keywords given (a default is the very object the settings hold), so that an alias may set one.
-    given = {n: v for n, v in arguments.items() if n in _MUON_FIELDS and v is not getattr(_MUON, n)}
+def _settings_from_keywords(arguments: dict[str, Any]) -> dict[str, Settings]:
+    """The settings of ``Muon``'s keywords (``arguments``: its ``locals()``) and of its ``settings``, by algorithm.
+
+    A keyword at its default is left to the settings' default, so that one of torch.optim.Muon's
+    names (``eps``, ``adjust_lr_fn``: ``aliases``) may set its field; keywords that set Muon's (or
+    AdamW's) settings beside a ``MuonSettings`` (``AdamWSettings``) in ``settings`` are refused.
+    """
+    given = {n: v for n, v in arguments.items() if n in _MUON_FIELDS and not _is_default(v, getattr(_MUON, n))}
     for alias in ("eps", "adjust_lr_fn"):  # torch.optim.Muon's names (``aliases``)
         if arguments[alias] is not None:
             given[alias] = arguments[alias]
@@ -619,8 +623,12 @@ def _config_from_keywords(arguments: dict[str, Any]) -> OptimizerConfig:
                 "settings",
             )
         chosen.setdefault(own.algorithm, own)
-    state = StateSettings(**{f.name: arguments[f.name] for f in dataclasses.fields(StateSettings)})
-    return OptimizerConfig(settings=chosen, state=state)
+    return chosen
+
+
+def _is_default(value: Any, default: Any) -> bool:
+    """Whether a keyword holds its default: the same value of the same type (a Tensor lr is never a default)."""
+    return type(value) is type(default) and value == default
 
 
 def _all_option_names() -> frozenset[str]:

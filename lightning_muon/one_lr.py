@@ -53,8 +53,7 @@ def lr_shares(config: MuonConfig, groups: list[dict[str, Any]]) -> list[float]:
             "the matrix lr, and every other group's lr by its ratio to it; set a positive lr"
         )
     rule_lrs = {r.group_name: r.options["lr"] for r in config.routing.rules if "lr" in r.options}
-    optimizer = config.optimizer
-    return [rule_lrs.get(g.get("name"), optimizer.group_defaults(g["algorithm"])["lr"]) / lr for g in groups]
+    return [rule_lrs.get(g.get("name"), config.settings_of(g["algorithm"]).lr) / lr for g in groups]
 
 
 def _lr_finder_schedulers() -> tuple[type, ...]:

@@ -19,7 +19,8 @@ from typing import Any
 
 from lightning_muon.algorithms import algorithm_names, get_algorithm, per_matrix
 from lightning_muon.algorithms.settings import field_docs
-from lightning_muon.aliases import MEGATRON_DEFAULTS, MEGATRON_REFUSED, aliases_of
+from lightning_muon.aliases import aliases_of
+from lightning_muon.megatron import MEGATRON_DEFAULTS, MEGATRON_REFUSED
 
 __all__ = ["main", "render"]
 
@@ -113,9 +114,9 @@ def _megatron() -> list[str]:
 
 def render(name: str | None) -> str:
     """The text ``options NAME`` prints; a ``ValueError`` names the known names for an unknown one."""
-    from lightning_muon.hparams import StateSettings
     from lightning_muon.routing.settings import RoutingSettings
     from lightning_muon.schedules import ScheduleSettings
+    from lightning_muon.state_settings import StateSettings
 
     sections: dict[str, Callable[[], list[str]]] = {
         "state": lambda: _section(StateSettings, "state"),

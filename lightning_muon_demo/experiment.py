@@ -299,7 +299,7 @@ def sinkhorn_normalize_matrices_(module: torch.nn.Module, config: MuonConfig) ->
     params = dict(module.named_parameters())
     names = [
         name
-        for group in config.routing_config.build(module)
+        for group in config.route(module)
         if group["algorithm"] == "sinkhorn_muon"
         for name in group["param_names"]
     ]

@@ -298,13 +298,13 @@ def test_with_lr_moves_a_registered_algorithms_own_lr_and_leaves_hyperball_on_mu
         matrix=MuonSettings(lr=0.02),
         routing=RoutingSettings(rules=[Rule(name="signs", algorithm="user_algorithm.Signum", names="*.bias")]),
     )
-    assert by_rule.with_lr(0.04).optimizer.group_defaults("signum")["lr"] == pytest.approx(2e-3, rel=1e-15)
+    assert by_rule.with_lr(0.04).settings_of("signum").lr == pytest.approx(2e-3, rel=1e-15)
     given = MuonConfig(matrix=MuonSettings(lr=0.02), scalar=signum.SignumSettings(lr=5e-4, beta=0.8))
     tuned = given.with_lr(0.01)
     assert tuned.scalar == signum.SignumSettings(lr=2.5e-4, beta=0.8, weight_decay=0.0)
     assert given.scalar.lr == 5e-4  # the original untouched
     hyperball = MuonConfig(matrix=MuonHyperballSettings(lr=0.02)).with_lr(0.01)
-    assert hyperball.optimizer.group_defaults("muon_hyperball")["lr"] == 0.01
+    assert hyperball.settings_of("muon_hyperball").lr == 0.01
 
 
 # ------------------------------------------------------------------ the step context and the flat keywords
@@ -330,7 +330,7 @@ def test_a_step_sees_the_optimizer_only_through_its_step_context():
     opt.step()
     ctx = seen[0]
     assert type(ctx) is StepContext and seen[1] is ctx  # one per optimizer
-    assert opt.state[w]["calls"] == 2 and ctx.config.state.step_memory_mb == 8 and ctx.sharding is None
+    assert opt.state[w]["calls"] == 2 and ctx.state_settings.step_memory_mb == 8 and ctx.sharding is None
     assert not ctx.has_update_hooks and ctx.group_index(opt.param_groups[0]) == 0
     for name in ("step", "param_groups", "add_param_group", "finite_checks", "attach_sharding"):
         assert not hasattr(ctx, name), name
@@ -344,6 +344,6 @@ def test_an_algorithms_settings_reach_its_groups_from_the_config_and_from_muon()
     soap = [g for g in optimizer.param_groups if g["algorithm"] == "soap"]
     assert soap and all(g["shampoo_beta"] == 0.9 and g["use_kl_shampoo"] for g in soap)
     given = Muon([w], settings=[AdaptiveMuonSettings(second_moment_beta2=0.9)])
-    assert given.config.settings_of("adaptive_muon").second_moment_beta2 == 0.9
+    assert given.settings_of("adaptive_muon").second_moment_beta2 == 0.9
     with pytest.raises(TypeError, match=r"unexpected keyword argument 'soap_shampoo_beta'"):
         Muon([w], soap_shampoo_beta=0.9)

@@ -32,7 +32,8 @@ from lightning_muon import (
     StateSettings,
 )
 from lightning_muon.algorithms import HparamError, get_algorithm
-from lightning_muon.aliases import ALIASES, MEGATRON_DEFAULTS, MEGATRON_REFUSED, settings_from
+from lightning_muon.aliases import ALIASES, settings_from
+from lightning_muon.megatron import MEGATRON_DEFAULTS, MEGATRON_REFUSED
 from lightning_muon.newton_schulz import COEFFICIENTS
 
 pytestmark = pytest.mark.numerics

@@ -23,8 +23,9 @@ from lightning_muon import (
     ScheduleSettings,
 )
 from lightning_muon.algorithms import algorithm_names, per_matrix
-from lightning_muon.aliases import MEGATRON_DEFAULTS, MEGATRON_REFUSED, aliases_of
+from lightning_muon.aliases import aliases_of
 from lightning_muon.cli import main
+from lightning_muon.megatron import MEGATRON_DEFAULTS, MEGATRON_REFUSED
 from lightning_muon_demo.module import CharGPTModule
 
 ROOT = Path(__file__).resolve().parents[1]

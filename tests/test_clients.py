@@ -83,7 +83,7 @@ def _pair() -> tuple[TinyGPT, TinyGPT]:
 
 
 def _train(model: nn.Module, config: MuonConfig, steps: int = 3) -> None:
-    opt = Muon.from_config(route_parameters(model, **config.routing_config.kwargs()), config.optimizer)
+    opt = config.make_optimizer(config.route(model))
     gen = torch.Generator().manual_seed(1)
     for _ in range(steps):
         idx = torch.randint(0, 32, (4, 8), generator=gen)
@@ -146,11 +146,11 @@ def test_split_qkv_splits_gpt2_c_attn_along_its_output_axis():
         matrix=MuonSettings(lr=0.1, momentum=0.0, ns_dtype="float32"),
         routing=RoutingSettings(split_qkv=True, qkv_split_shapes=(D, D, D)),
     )
-    groups = route_parameters(conv, **config.routing_config.kwargs())
+    groups = config.route(conv)
     qkv = next(g for g in groups if g["name"] == "muon_qkv_transposed")
     assert qkv["transposed"] and qkv["split_sizes"] == [D, D, D]
     assert sorted(qkv["param_names"]) == ["h.0.c_attn.weight", "h.1.c_attn.weight"]
-    opt = Muon.from_config(groups, config.optimizer)
+    opt = config.make_optimizer(groups)
     W = conv.h[0].c_attn.weight
     before = W.detach().clone()
     conv(torch.randint(0, 32, (4, 8))).square().mean().backward()
@@ -194,18 +194,18 @@ def test_split_qkv_splits_multihead_attention_in_proj_into_q_k_v():
     config = MuonConfig(
         matrix=MuonSettings(ns_dtype="float32"), routing=RoutingSettings(split_qkv=True, qkv_split_shapes=(D, D, D))
     )
-    groups = route_parameters(model, **config.routing_config.kwargs())
+    groups = config.route(model)
     assert groups.assignments["attn.in_proj_weight"] == "mha_in_proj"
-    opt = Muon.from_config(groups, config.optimizer)
+    opt = config.make_optimizer(groups)
     (group,) = [g for g in opt.param_groups if g["name"] == "muon_mha_in_proj"]
     assert group["split_sizes"] == (D, D, D)
     # split_qkv alone does the same: in_proj_weight's Q, K and V rows are known from the module, no warning.
     alone = MuonConfig(routing=RoutingSettings(split_qkv=True))
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        groups = alone.routing_config.build(model)
+        groups = alone.route(model)
     assert groups.assignments["attn.in_proj_weight"] == "mha_in_proj"
-    (group,) = [g for g in Muon.from_config(groups, alone.optimizer).param_groups if g["name"] == "muon_mha_in_proj"]
+    (group,) = [g for g in alone.make_optimizer(groups).param_groups if g["name"] == "muon_mha_in_proj"]
     assert group["split_sizes"] == (D, D, D)
 
 
@@ -257,7 +257,8 @@ def test_a_1x1_conv_classifier_goes_to_adamw_and_the_stem_on_request():
     assert algorithm["fc.weight"] == "adamw" and algorithm["body.weight"] == algorithm["stem.weight"] == "muon"
     groups = route_parameters(ConvClassifier(), input_layer=True)
     assert groups.assignments["stem.weight"] == "input_layer"
-    assert MuonConfig(routing=RoutingSettings(input_layer=True)).routing_config.kwargs()["input_layer"] is True
+    config = MuonConfig(routing=RoutingSettings(input_layer=True))
+    assert config.route(ConvClassifier()).assignments["stem.weight"] == "input_layer"
 
 
 def test_no_head_found_warns():
@@ -343,10 +344,10 @@ def test_real_gpt2_split_qkv_orthogonalizes_q_k_v(gpt2):
         matrix=MuonSettings(lr=0.1, momentum=0.0, ns_dtype="float32"),
         routing=RoutingSettings(split_qkv=True, qkv_split_shapes=(64, 64, 64)),
     )
-    groups = route_parameters(gpt2, **config.routing_config.kwargs())
+    groups = config.route(gpt2)
     qkv = next(g for g in groups if g["name"] == "muon_qkv_transposed")
     assert [n.split(".", 3)[-1] for n in qkv["param_names"]] == ["attn.c_attn.weight"] * 2
-    opt = Muon.from_config(groups, config.optimizer)  # sizes fit (64, 192)
+    opt = config.make_optimizer(groups)  # sizes fit (64, 192)
     W = gpt2.transformer.h[0].attn.c_attn.weight
     before = W.detach().clone()
     gpt2(torch.randint(0, 128, (2, 16))).logits.square().mean().backward()

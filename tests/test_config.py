@@ -37,7 +37,7 @@ def test_defaults_are_muon_and_adamw_and_build_the_optimizer():
     assert (config.matrix, config.scalar, config.others) == (MuonSettings(), AdamWSettings(), [])
     assert (config.matrix.lr, config.scalar.lr, config.schedule.falloff) == (0.02, 3e-4, "constant")
     assert config.routing.head_names == DEFAULT_HEAD_NAMES and config.routing.rules == []
-    optimizer = Muon.from_config([torch.zeros(3, 3, requires_grad=True)], config.optimizer)
+    optimizer = config.make_optimizer([torch.zeros(3, 3, requires_grad=True)])
     assert optimizer.param_groups[0]["lr"] == 0.02
     assert config.lr_schedule(None).falloff == "constant" and config.momentum_warmup().steps == 0
 
@@ -302,7 +302,7 @@ def test_jsonargparse_rejects_a_bad_value_with_the_field_name():
 def test_config_variant_fields_reach_the_optimizer():
     all_on = dict(momentum_form="sum", second_moment="normuon", weight_decay_method="cautious", ns_method="gram")
     config = MuonConfig(matrix=MuonSettings(**all_on, sign_momentum=True, second_moment_beta2=0.8))
-    opt = Muon.from_config([torch.zeros(4, 4, requires_grad=True)], config.optimizer)
+    opt = config.make_optimizer([torch.zeros(4, 4, requires_grad=True)])
     group = opt.param_groups[0]
     assert {k: group[k] for k in all_on} == all_on
     assert group["sign_momentum"] is True and group["second_moment_beta2"] == 0.8

@@ -10,7 +10,6 @@ import torch
 from lightning_muon import AdamWSettings, ScheduleFreeSettings, SOAPSettings, StateSettings
 from lightning_muon.algorithms import get_algorithm
 from lightning_muon.algorithms.sinkhorn_muon import sinkhorn_targets
-from lightning_muon.routing import route_parameters
 from lightning_muon_demo.experiment import (
     RunSpec,
     build_run,
@@ -66,9 +65,9 @@ def test_bad_specs_name_the_field(kwargs, message):
 
 def test_the_adamw_baseline_sends_every_parameter_to_adamw_and_muon_only_hidden_matrices():
     model = CharGPT(256, 16, 1, 2, 32, 0.0, False)
-    adamw = route_parameters(model, **muon_config_for(RunSpec(optimizer="adamw", lr=1e-3)).routing_config.kwargs())
+    adamw = muon_config_for(RunSpec(optimizer="adamw", lr=1e-3)).route(model)
     assert {g["algorithm"] for g in adamw} == {"adamw"}
-    muon = route_parameters(model, **muon_config_for(RunSpec(optimizer="muon")).routing_config.kwargs())
+    muon = muon_config_for(RunSpec(optimizer="muon")).route(model)
     names = {n for g in muon if g["algorithm"] == "muon" for n in g["param_names"]}
     assert names == {
         "blocks.0.attn.qkv.weight",
@@ -77,7 +76,7 @@ def test_the_adamw_baseline_sends_every_parameter_to_adamw_and_muon_only_hidden_
         "blocks.0.mlp.fc2.weight",
     }
     assert muon_config_for(RunSpec(optimizer="adamw", lr=1e-3)).scalar == AdamWSettings(lr=1e-3, weight_decay=0.01)
-    narrow = muon_config_for(RunSpec(optimizer="muon", state_dtype="bfloat16")).optimizer.state
+    narrow = muon_config_for(RunSpec(optimizer="muon", state_dtype="bfloat16")).state
     assert (narrow.exp_avg_dtype, narrow.exp_avg_sq_dtype) == ("bfloat16", "bfloat16")
     assert muon_config_for(RunSpec(optimizer="muon")).state == StateSettings()
 
@@ -97,7 +96,7 @@ def test_the_schedule_free_run_keeps_muon_and_a_constant_schedule():
     assert config.lr_schedule(spec.steps).warmup_steps == 10  # the same 5% warmup as the wsd runs
     assert spec.label == "muon (lr 0.01, polar_express, adamw_schedulefree, constant)"
     model = CharGPT(256, 16, 1, 2, 32, 0.0, False)
-    groups = route_parameters(model, **config.routing_config.kwargs())
+    groups = config.route(model)
     assert {g["algorithm"] for g in groups} == {"muon", "adamw_schedulefree"}
 
 
@@ -136,7 +135,7 @@ def test_a_matrix_optimizer_takes_the_hidden_matrices_at_lr(algorithm, options, 
     assert (config.scalar, config.state, config.schedule) == (muon_run.scalar, muon_run.state, muon_run.schedule)
     assert config.scalar == AdamWSettings(lr=3e-3, weight_decay=0.01)
     model = CharGPT(256, 16, 1, 2, 32, 0.0, False)
-    groups = route_parameters(model, **config.routing_config.kwargs())
+    groups = config.route(model)
     assert {n for g in groups if g["algorithm"] == algorithm for n in g["param_names"]} == HIDDEN
     assert {g["algorithm"] for g in groups} == {algorithm, "adamw"}
     assert spec.label.startswith(f"{algorithm} (lr 0.0123")

@@ -590,7 +590,7 @@ def test_list_api_in_a_plain_pytorch_loop():
     reference = copy.deepcopy(model)
     optimizers = build_optimizers(model, config)
     schedulers = build_schedulers(optimizers, config, total_steps=6)
-    ref_optimizer = Muon.from_config(route_parameters(reference), config.optimizer)
+    ref_optimizer = config.make_optimizer(route_parameters(reference))
     ref_scheduler = MuonScheduler(ref_optimizer, config.lr_schedule(6), config.momentum_warmup())
     x, y = _data(8).tensors
     # Linear: W=2, decay over 4 steps to 0.2: 0.5, 1, 1, 0.8, 0.6, 0.4.

@@ -43,7 +43,7 @@ def _gpt(**overrides) -> torch.nn.Module:
 
 
 def test_routing_of_a_tiny_gpt():
-    groups = SPLIT_QKV.routing_config.build(_gpt())
+    groups = SPLIT_QKV.route(_gpt())
     by_name = {g["name"]: g for g in groups}
     assert by_name["adamw"]["param_names"] == ["lm_head.weight", "transformer.wte.weight"]
     assert by_name["adamw_no_decay"]["weight_decay"] == 0.0 and len(by_name["adamw_no_decay"]["params"]) == 5
@@ -85,7 +85,7 @@ def test_split_qkv_pieces_are_litgpts_own_q_k_v():
     finally:
         litgpt_model.apply_rope = apply_rope
         del attn.scaled_dot_product_attention
-    group = next(g for g in SPLIT_QKV.routing_config.build(model) if "split_sizes" in g)
+    group = next(g for g in SPLIT_QKV.route(model) if "split_sizes" in g)
     q_w, k_w, v_w = MatrixLayout(group["split_sizes"]).views(attn.qkv.weight.detach())
 
     def heads(w: torch.Tensor) -> torch.Tensor:  # (B, heads, T, hs), as litgpt arranges them
@@ -101,7 +101,7 @@ def test_split_qkv_pieces_are_litgpts_own_q_k_v():
 
 def test_a_muon_step_with_split_qkv_trains():
     model = _gpt()
-    groups = SPLIT_QKV.routing_config.build(model)
+    groups = SPLIT_QKV.route(model)
     optimizer = Muon(groups, lr=0.02, ns_dtype="float32")
     tokens = torch.randint(256, (4, 17), generator=torch.Generator().manual_seed(2))
     losses = []

@@ -575,19 +575,19 @@ def test_split_qkv_routes_fused_qkv_weights_with_megatron_split():
     """split_qkv + qkv_split_shapes: the fused weight (by name or is_qkv) is split as Megatron does."""
     model = _GQAttention()
     config = MuonConfig(routing=RoutingSettings(split_qkv=True, qkv_split_shapes=[4, 2, 2]))
-    groups = route_parameters(model, **config.routing_config.kwargs())
+    groups = config.route(model)
     qkv = next(g for g in groups if g["name"] == "muon_qkv")
     assert qkv["param_names"] == ["linear_qkv.weight"] and qkv["split_sizes"] == [4, 2, 2]
     assert groups.assignments["proj.weight"] == "hidden_matrices"
     # Megatron's attribute works whatever the name.
     other = nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2))
     other[0].weight.is_qkv = True
-    groups = route_parameters(other, **config.routing_config.kwargs())
+    groups = config.route(other)
     assert groups.assignments["0.weight"] == "split_qkv"
     # Stepping the routed model: the QKV weight moves as the formula with Megatron's row layout says.
     W0 = model.linear_qkv.weight.detach().double().clone()
     model = model.double()
-    opt = Muon.from_config(config.routing_config.build(model), config.optimizer)
+    opt = config.make_optimizer(config.route(model))
     grads = random_tensors([W0.shape] * 3, seed=21, dtype=torch.float64)
     for g in grads:
         opt.zero_grad()
@@ -605,13 +605,13 @@ def test_split_qkv_without_shapes_warns_naming_the_fused_weights_it_leaves_whole
     config = MuonConfig(routing=RoutingSettings(split_qkv=True))
     with pytest.warns(UserWarning, match=r"split_qkv: \['linear_qkv\.weight'\] look like fused QKV weights, but "
                       r"routing\.qkv_split_shapes is not set, so they are orthogonalized whole"):  # fmt: skip
-        groups = config.routing_config.build(_GQAttention())
+        groups = config.route(_GQAttention())
     assert groups.assignments["linear_qkv.weight"] == "hidden_matrices"
     assert not any("split_sizes" in g for g in groups)
     # Nothing to warn about where nothing looks fused.
     with warnings.catch_warnings():
         warnings.simplefilter("error")
-        assert config.routing_config.build(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2)))
+        assert config.route(nn.Sequential(nn.Linear(8, 16), nn.Linear(16, 2)))
 
 
 def test_a_rule_that_routes_nothing_warns_and_shows_in_the_report():

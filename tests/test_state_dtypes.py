@@ -327,14 +327,14 @@ def test_names_are_normalized_and_flow_from_muon_config():
     config = MuonConfig(
         state=StateSettings(exp_avg_dtype="bfloat16", exp_avg_sq_dtype="bfloat16", main_params_dtype="float32")
     )
-    assert (config.optimizer.state.exp_avg_dtype, config.optimizer.state.main_params_dtype) == ("bfloat16", "float32")
+    assert (config.state.exp_avg_dtype, config.state.main_params_dtype) == ("bfloat16", "float32")
     keywords = dataclasses.asdict(config.state)  # the state section's fields are Muon's keywords
     assert {k: keywords[k] for k in ("exp_avg_dtype", "exp_avg_sq_dtype", "main_params_dtype")} == {
         "exp_avg_dtype": "bfloat16",
         "exp_avg_sq_dtype": "bfloat16",
         "main_params_dtype": "float32",
     }
-    assert Muon([nn.Parameter(torch.ones(4, 4))], **keywords).config.state == config.optimizer.state
+    assert Muon([nn.Parameter(torch.ones(4, 4))], **keywords).state_settings == config.state
     aliases = StateSettings(exp_avg_dtype=torch.bfloat16, exp_avg_sq_dtype="bf16", main_params_dtype="fp32")
     assert (aliases.exp_avg_dtype, aliases.exp_avg_sq_dtype, aliases.main_params_dtype) == (
         "bfloat16",
@@ -342,7 +342,7 @@ def test_names_are_normalized_and_flow_from_muon_config():
         "float32",
     )
     optimizer, _ = config.build(nn.Sequential(nn.Embedding(8, 4), nn.Linear(4, 4), nn.Linear(4, 8)))
-    assert optimizer.config.state.exp_avg_dtype == "bfloat16"
+    assert optimizer.state_settings.exp_avg_dtype == "bfloat16"
 
 
 def test_an_algorithm_that_does_not_take_a_setting_is_refused():

@@ -28,10 +28,10 @@ def test_the_setting_resolves_per_device_and_refuses_bad_values():
     assert step_memory_bytes("auto", "cuda") == AUTO_STEP_MEMORY_MB["cuda"] * MiB
     assert step_memory_bytes(None, "cpu") is None and step_memory_bytes(1.5, "cpu") == int(1.5 * MiB)
     assert (
-        MuonConfig().optimizer.state.step_memory_mb == "auto"
-        and MuonConfig(state=StateSettings(step_memory_mb=None)).optimizer.state.step_memory_mb is None
+        MuonConfig().state.step_memory_mb == "auto"
+        and MuonConfig(state=StateSettings(step_memory_mb=None)).state.step_memory_mb is None
     )
-    assert Muon([torch.nn.Parameter(torch.ones(2, 2))], step_memory_mb=8).config.state.step_memory_mb == 8.0
+    assert Muon([torch.nn.Parameter(torch.ones(2, 2))], step_memory_mb=8).state_settings.step_memory_mb == 8.0
     for bad in (0, -1, float("inf"), "big", True):
         with pytest.raises(HparamError, match="step_memory_mb must be 'auto', None"):
             Muon([torch.nn.Parameter(torch.ones(2, 2))], step_memory_mb=bad)

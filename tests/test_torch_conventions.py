@@ -78,7 +78,8 @@ def test_a_copied_optimizer_steps_exactly_as_the_original(copier):
     for g in grads[:2]:
         _step(model, optimizer, g)
     model_copy, copied = copier(model, optimizer)
-    assert copied.config == optimizer.config and copied.nonfinite == optimizer.nonfinite
+    assert copied.settings == optimizer.settings and copied.state_settings == optimizer.state_settings
+    assert copied.nonfinite == optimizer.nonfinite
     assert [{k: v for k, v in g.items() if k != "params"} for g in copied.param_groups] == [
         {k: v for k, v in g.items() if k != "params"} for g in optimizer.param_groups
     ]

@@ -74,7 +74,7 @@ def train(fabric: L.Fabric, name: str, settings: dict, config: Config, data: tup
     else:
         optimizer, scheduler = muon_config.build(model, total_steps=t["steps"])
         model, optimizer = fabric.setup(model, optimizer)
-    fabric.print(f"\n{name}: routing of litgpt's parameters\n{muon_config.routing_config.build(model).report()}")
+    fabric.print(f"\n{name}: routing of litgpt's parameters\n{muon_config.route(model).report()}")
     train_tokens, val_tokens = data
     curve, start = [], time.perf_counter()
     for step in range(t["steps"]):

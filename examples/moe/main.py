@@ -93,7 +93,7 @@ def train(name: str, lr: float, settings: dict, args: argparse.Namespace, report
     pl.seed_everything(t["seed"], verbose=False)  # the same initial weights for every run
     module = MoEModule(settings["model"], muon_config)
     if report_routing:
-        say(f"\n{muon_config.routing_config.build(module).report()}")
+        say(f"\n{muon_config.route(module).report()}")
     data = CharTextDataModule(
         block_size=t["block_size"],
         batch_size=t["batch_size"] // args.devices,  # per process: the global batch stays the same

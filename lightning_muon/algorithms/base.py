@@ -7,7 +7,7 @@ checks), what a new group needs, and how to step a group::
 
     Muon.add_param_group(group)
         algorithm = get_algorithm(group["algorithm"])   # or the one its tensors imply
-        group <- algorithm.group_defaults(config)        # defaults from Muon(...) / MuonConfig
+        group <- algorithm.group_defaults(settings)      # the settings from Muon(...) / MuonConfig
         algorithm.check(group's own values)              # aliases renamed; a bad value names the key
         algorithm.init_group(group, params)              # shapes, derived keys
     Muon.step()
@@ -36,14 +36,14 @@ from __future__ import annotations
 import dataclasses
 import importlib
 import re
-from collections.abc import Mapping
-from typing import TYPE_CHECKING, Any, ClassVar, Protocol
+from collections.abc import Iterable, Mapping
+from typing import TYPE_CHECKING, Any, ClassVar
 
 from torch import Tensor
 
+from lightning_muon.algorithms.checks import HparamError
 from lightning_muon.algorithms.settings import Settings
-from lightning_muon.aliases import aliases_of, settings_from
-from lightning_muon.aliases import canonical as canonical_keys
+from lightning_muon.aliases import aliases_of, build_settings, settings_from
 
 if TYPE_CHECKING:
     from lightning_muon.distributed.protocol import Sharding
@@ -51,7 +51,6 @@ if TYPE_CHECKING:
 __all__ = [
     "ALGORITHMS",
     "Algorithm",
-    "SettingsSource",
     "StepContext",
     "algorithm_names",
     "get_algorithm",
@@ -60,16 +59,8 @@ __all__ = [
     "orthogonalizes",
     "per_matrix",
     "register_algorithm",
+    "settings_by_algorithm",
 ]
-
-
-class SettingsSource(Protocol):
-    """Where new groups read their defaults: ``hparams.OptimizerConfig`` (named here by shape, not imported:
-    ``hparams`` imports the algorithms)."""
-
-    def settings_of(self, algorithm: str) -> Settings:
-        """The settings new groups of ``algorithm`` start from."""
-        ...
 
 
 class StepContext:
@@ -82,13 +73,13 @@ class StepContext:
     caches by it (Schedule-Free keeps its inner optimizer so).
     """
 
-    __slots__ = ("state", "config", "sharding", "update_hooks", "caps", "groups", "__weakref__")
+    __slots__ = ("state", "state_settings", "sharding", "update_hooks", "caps", "groups", "__weakref__")
 
     def __init__(self) -> None:
         self.state: Any = None
         """The per-parameter state (``optimizer.state``: a ``defaultdict(dict)`` keyed by tensor), saved with it."""
-        self.config: Any = None
-        """The optimizer's settings (``hparams.OptimizerConfig``): state dtypes, ``step_memory_mb``, ..."""
+        self.state_settings: Any = None
+        """The optimizer's ``StateSettings``: state dtypes, ``step_memory_mb``, ..."""
         self.sharding: Sharding | None = None
         """The ``Sharding`` that splits per-matrix work across ranks, or None (one process)."""
         self.update_hooks: dict[int, Any] = {}
@@ -165,7 +156,7 @@ class Algorithm:
             ``exp_avg_sq_dtype``, ``main_params_dtype``; ``state_dtypes``) this algorithm
             honours, or has no state for. ``Muon`` refuses a group of an algorithm when a
             setting it does not list is away from its default, so none is silently ignored;
-            an algorithm that lists one reads it from ``ctx.config``
+            an algorithm that lists one reads it from ``ctx.state_settings``
             (``state_dtypes.state_dtype``).
     """
 
@@ -186,21 +177,21 @@ class Algorithm:
         return frozenset({"name", "param_names", *names, *self.layout_options})
 
     def make_settings(self, values: Mapping[str, Any], where: str = "Muon()") -> Settings:
-        """``settings`` from ``values`` (other projects' names renamed, ``aliases``; unknown keys refused), checked."""
+        """``settings`` from ``values`` in our names or other projects' (``aliases.settings_from``), checked."""
         return settings_from(self.settings, values, where)
 
     def check(self, values: Mapping[str, Any], where: str) -> dict[str, Any]:
-        """Check the settings in ``values`` (a group; others' names renamed); returns the normalized ones to store.
+        """Check the settings in ``values`` (a group, its aliases already renamed: ``Muon.add_param_group``);
+        returns the normalized ones to store.
 
         ``where`` starts every message (``"Muon()"``, ``"param group 2 ('muon')"``). Raises ``HparamError``.
         """
         fields = self.settings.field_names()  # not the fixed ones: ``init_group`` refuses another value of those
-        given = {k: v for k, v in canonical_keys(self.settings, values, where).items() if k in fields}
-        return self.make_settings(given, where).arguments()
+        return build_settings(self.settings, {k: v for k, v in values.items() if k in fields}, where).arguments()
 
-    def group_defaults(self, config: SettingsSource) -> dict[str, Any]:
-        """The values a new group of this algorithm starts from: ``config``'s settings for it."""
-        return config.settings_of(self.name).asdict()
+    def group_defaults(self, settings: Settings) -> dict[str, Any]:
+        """The values a new group of this algorithm starts from: its ``settings`` (the optimizer's for it)."""
+        return settings.asdict()
 
     # ------------------------------------------------------------------ groups
 
@@ -364,3 +355,19 @@ def orthogonalizes(group: Mapping[str, Any] | str) -> bool:
     if algorithm is None and isinstance(name, str) and "." in name:
         algorithm = get_algorithm(name)
     return algorithm is not None and algorithm.orthogonalizes
+
+
+def settings_by_algorithm(settings: Iterable[Settings], where: str = "settings") -> dict[str, Settings]:
+    """``settings`` by the algorithm each is for; two for one algorithm, or one for no algorithm, raise."""
+    out: dict[str, Settings] = {}
+    for s in settings:
+        name = getattr(s, "algorithm", "")
+        if not isinstance(s, Settings) or not name:
+            kind = type(s).__name__
+            raise HparamError(
+                f"{where}: expected the settings of an algorithm (MuonSettings, AdamWSettings, ...), got {kind}", where
+            )
+        if name in out:
+            raise HparamError(f"{where}: two settings for {name!r}: {out[name]!r} and {s!r}", where)
+        out[get_algorithm(name).name] = s
+    return out

@@ -45,10 +45,10 @@ from typing import Any, ClassVar, Literal, NamedTuple
 import torch
 from torch import Tensor
 
-from lightning_muon.algorithms.base import Algorithm, SettingsSource, StepContext, register_algorithm
+from lightning_muon.algorithms.base import Algorithm, StepContext, register_algorithm
 from lightning_muon.algorithms.checks import check_bool
 from lightning_muon.algorithms.families import NewtonSchulzSettings
-from lightning_muon.algorithms.settings import setting
+from lightning_muon.algorithms.settings import Settings, setting
 from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS, state_dtype
 from lightning_muon.functional import (
     adjust_lr_ratio,
@@ -225,9 +225,9 @@ class MuonAlgorithm(Algorithm):
         check_layout(values, where)
         return super().check(values, where)
 
-    def group_defaults(self, config: SettingsSource) -> dict[str, Any]:
+    def group_defaults(self, settings: Settings) -> dict[str, Any]:
         return {
-            **config.settings_of(self.name).asdict(),
+            **settings.asdict(),
             "split_sizes": None,
             "batched": False,
             "transposed": False,
@@ -277,7 +277,7 @@ class MuonAlgorithm(Algorithm):
         device = params[0].device
         cap = ctx.caps.get(device.type, -1)
         if cap == -1:  # resolved once per device type
-            cap = ctx.caps[device.type] = step_memory_bytes(ctx.config.state.step_memory_mb, device)
+            cap = ctx.caps[device.type] = step_memory_bytes(ctx.state_settings.step_memory_mb, device)
         sharding = ctx.sharding
         # Who orthogonalizes each parameter (None: this rank, every one it steps).
         owners = sharding.round_owners(group, params) if sharding is not None else None

@@ -2,7 +2,7 @@
 
 Megatron-Core's precision-aware optimizer stores AdamW's moments in bf16 and keeps an fp32
 master copy of bf16 parameters. The same three optimizer-wide settings here
-(``OptimizerConfig``, ``Muon``'s keywords, ``MuonConfig``'s fields):
+(``StateSettings``: ``Muon``'s keywords, ``MuonConfig``'s ``state`` section):
 
 - ``exp_avg_dtype``: ``"float32"`` (default) or ``"bfloat16"``: the dtype first moments are
   stored in: Muon's ``momentum_buffer`` (every Muon variant's), AdamW's and Lion's
@@ -96,16 +96,15 @@ def storage_dtype(setting: str, dtype: torch.dtype) -> torch.dtype:
     return dtype
 
 
-def state_dtype(optimizer: Any, setting: str, p: Tensor) -> torch.dtype:
-    """The dtype of a new ``setting`` buffer (``"exp_avg_dtype"``, ...) for ``p``, the tensor the step updates."""
-    state = getattr(getattr(optimizer, "config", None), "state", None)
-    return storage_dtype(getattr(state, setting, "float32"), p.dtype)
+def state_dtype(holder: Any, setting: str, p: Tensor) -> torch.dtype:
+    """The dtype of a new ``setting`` buffer (``"exp_avg_dtype"``, ...) for ``p``, the tensor the step updates;
+    ``holder`` has the ``state_settings`` (a ``Muon``, its ``StepContext``)."""
+    return storage_dtype(getattr(holder.state_settings, setting, "float32"), p.dtype)
 
 
-def has_main_param(config: Any, p: Tensor) -> bool:
+def has_main_param(state_settings: Any, p: Tensor) -> bool:
     """Whether ``p`` steps on an fp32 master copy: ``main_params_dtype="float32"`` and ``p`` is bf16 or fp16."""
-    state = getattr(config, "state", None)
-    return getattr(state, "main_params_dtype", None) is not None and p.is_floating_point() and p.dtype.itemsize < 4
+    return state_settings.main_params_dtype is not None and p.is_floating_point() and p.dtype.itemsize < 4
 
 
 @torch.no_grad()
@@ -118,7 +117,7 @@ def restore_state_dtypes(optimizer: Any, state_dict: dict[str, Any]) -> None:
     saved with another setting is cast to this one; a master copy this optimizer does not
     keep is dropped (and one it keeps but the checkpoint lacks is made at the next step).
     """
-    config = optimizer.config
+    settings = optimizer.state_settings
     saved_state = state_dict.get("state", {})
     saved_ids = [i for g in state_dict.get("param_groups", []) for i in g["params"]]
     params = [p for g in optimizer.param_groups for p in g["params"]]
@@ -127,7 +126,7 @@ def restore_state_dtypes(optimizer: Any, state_dict: dict[str, Any]) -> None:
         if not entry:
             continue
         saved = saved_state.get(saved_id, {})
-        main = has_main_param(config, p)
+        main = has_main_param(settings, p)
         if MAIN_PARAM in entry:
             if main:
                 entry[MAIN_PARAM] = _wide(entry[MAIN_PARAM], saved.get(MAIN_PARAM), torch.float32)
@@ -135,7 +134,7 @@ def restore_state_dtypes(optimizer: Any, state_dict: dict[str, Any]) -> None:
                 del entry[MAIN_PARAM]
         updated = torch.float32 if main else p.dtype  # the dtype the step updates p in
         for setting, keys in _KEYS.items():
-            dtype = storage_dtype(getattr(config.state, setting), updated)
+            dtype = storage_dtype(getattr(settings, setting), updated)
             for key in _present(entry, keys):
                 entry[key] = _wide(entry[key], saved.get(key), dtype)
 

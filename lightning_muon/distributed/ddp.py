@@ -238,7 +238,7 @@ class MuonDDPSharding(Sharding):
         """
         by_owner = self._by_owner()
         itemsize = self.params[0].element_size()
-        cap = step_memory_bytes(self.optimizer.config.state.step_memory_mb, self.params[0].device)
+        cap = step_memory_bytes(self.optimizer.state_settings.step_memory_mb, self.params[0].device)
         if cap is None:
             return [by_owner]
         budget = max(1, cap // (2 * self.group_size * itemsize))  # elements per owner per round

@@ -1,7 +1,8 @@
 """Routing parameters to algorithms: ordered, named rules, and one module per layout family.
 
-- ``rules``: ``Rule``, ``route_parameters``, ``RoutingConfig`` and ``ParamGroups`` (the report);
-- ``settings``: ``RoutingSettings``, the routing section of ``MuonConfig``;
+- ``rules``: ``Rule``, the rules engine (``route``) and ``ParamGroups`` (the report);
+- ``settings``: ``RoutingSettings`` (the routing section of ``MuonConfig``, each knob declared once) and
+  ``route_parameters``;
 - ``conv1d``: weights stored ``(fan_in, fan_out)`` (transformers' ``Conv1D``);
 - ``experts``: mixture-of-experts stacks and their routers; ``probe``: their layouts read from the
   model's own forward;
@@ -16,12 +17,10 @@ from lightning_muon.routing.rules import (
     DEFAULT_HEAD_NAMES,
     TOKEN_TABLE_NAMES,
     ParamGroups,
-    RoutingConfig,
     Rule,
-    route_parameters,
     unwrap_module,
 )
-from lightning_muon.routing.settings import RoutingSettings
+from lightning_muon.routing.settings import RoutingSettings, route_parameters
 
 __all__ = [
     "DEFAULT_HEAD_NAMES",
@@ -29,7 +28,6 @@ __all__ = [
     "TRANSPOSED_MODULES",
     "ExpertStack",
     "ParamGroups",
-    "RoutingConfig",
     "RoutingSettings",
     "Rule",
     "find_experts",

@@ -38,13 +38,13 @@ that algorithm's lr), under its own name or none, with the route's algorithm and
 
 from __future__ import annotations
 
-import warnings
 import weakref
 from collections.abc import Callable
 from typing import Any
 
 from torch import Tensor, nn
 
+from lightning_muon._warn import warn_user
 from lightning_muon.algorithms import algorithm_names
 from lightning_muon.routing.param_groups import as_groups, option_names, params_of_pairs
 
@@ -73,21 +73,26 @@ class ModuleRouter:
     The rules run over the module when a group is added, so parameters unfrozen since
     (a backbone) are routed as they would have been had they been trainable from the
     start. A tensor that is not a parameter of the module takes the flat rule, with
-    ``routing.scalar_algorithm`` for tensors of fewer than two dims. The module is held
-    by a weak reference: the optimizer does not keep it alive.
+    ``scalar_algorithm`` for tensors of fewer than two dims. The module is held by a weak
+    reference: the optimizer does not keep it alive.
 
     Args:
         module: the model whose parameters the optimizer steps.
-        routing: the ``RoutingConfig`` the optimizer's groups were built with.
+        routing: the ``RoutingSettings`` the optimizer's groups were routed by.
+        matrix_algorithm, scalar_algorithm: the default rules' two algorithms, as they were.
     """
 
-    def __init__(self, module: nn.Module, routing: Any) -> None:
+    def __init__(self, module: nn.Module, routing: Any, matrix_algorithm: str, scalar_algorithm: str) -> None:
         self._module = weakref.ref(module)
         self.routing = routing
+        self.matrix_algorithm, self.scalar_algorithm = matrix_algorithm, scalar_algorithm
 
     def __call__(self, params: list[Tensor], names: list[str | None]) -> list[dict[str, Any]]:
         module = self._module()
-        routed = self.routing.build(module) if module is not None else []
+        if module is None:
+            routed = []
+        else:
+            routed = self.routing.route(module, self.matrix_algorithm, self.scalar_algorithm)
         where = {id(p): (g, j) for g in routed for j, p in enumerate(g["params"])}
         parts: dict[str, dict[str, Any]] = {}
         for p, given in zip(params, names):
@@ -96,7 +101,7 @@ class ModuleRouter:
                 template = {k: v for k, v in group.items() if k not in ("params", "param_names")}
                 name = group["param_names"][j]
             else:
-                algorithm = self.routing.matrix_algorithm if p.ndim >= 2 else self.routing.scalar_algorithm
+                algorithm = self.matrix_algorithm if p.ndim >= 2 else self.scalar_algorithm
                 template, name = {"algorithm": algorithm, "name": algorithm}, given
             key = template["name"]
             while key in parts and {k: v for k, v in parts[key].items() if k not in ("params", "names")} != template:
@@ -210,12 +215,10 @@ def _explain_scaled_lr(given: Any, parts: list[dict[str, Any]], where: str) -> N
         return
     _explained_lr = True
     steps = ", ".join(f"its {p['algorithm']} part ({p['name']}) at lr {p['lr']:.6g}" for p in scaled)
-    warnings.warn(
+    warn_user(  # at the Muon(...) call
         f"{where}: its lr {given!r} mixes algorithms, and is read on the scale of the first param group (Muon's lr "
         f"while there is none): {steps}, so that each part keeps the ratio of the optimizer's lrs. To set a part's "
-        "lr yourself, give its tensors their own group with 'algorithm' and 'lr'",
-        UserWarning,
-        stacklevel=7,  # the Muon(...) call: Muon.__init__, _setup, Optimizer.__init__, add_param_group, here
+        "lr yourself, give its tensors their own group with 'algorithm' and 'lr'"
     )
 
 

@@ -69,9 +69,8 @@ __all__ = [
     "TOKEN_TABLE_NAMES",
     "TRANSPOSED_MODULES",
     "ParamGroups",
-    "RoutingConfig",
     "Rule",
-    "route_parameters",
+    "route",
     "unwrap_module",
 ]
 
@@ -421,45 +420,6 @@ def _expert_rules(stacks: dict[int, ExpertStack]) -> list[Rule]:
     return rules
 
 
-@dataclass(frozen=True, kw_only=True)
-class RoutingConfig:
-    """The routing part of ``MuonConfig``: ``route_parameters``' arguments; ``build(module)`` routes."""
-
-    rules: tuple[Rule, ...] = ()
-    """Rules tried in order before the default rules."""
-    default_rules: bool = True
-    """Append the default rules (embedding, head, vectors to the scalar algorithm; matrices to Muon)."""
-    max_aspect_ratio: float | None = None
-    """Send matrices whose long side exceeds this many times the short side to the scalar algorithm."""
-    head_names: tuple[str, ...] = DEFAULT_HEAD_NAMES
-    """Attribute names that mark a Linear as the output head."""
-    head_by_position: bool = True
-    """Without a named head, treat the last nn.Linear as the head."""
-    input_layer: bool = False
-    """Send the first convolution or Linear weight (a convnet's stem) to the scalar algorithm."""
-    scalar_algorithm: str = "adamw"
-    """Algorithm of the default rules' non-Muon groups: "adamw", "lion", "adamw_schedulefree" or one registered."""
-    matrix_algorithm: str = "muon"
-    """Algorithm of the default rules' hidden matrices: "muon" or a registered variant ("muon_hyperball")."""
-    split_gate_up: bool = True
-    """Orthogonalize a mixture-of-experts fused gate/up as two matrices per expert (False: one fused matrix)."""
-    probe_experts: bool = True
-    """Read mixture-of-experts layouts and routers that transformers' metadata does not give from the model's
-    own forward, on stand-in values (``routing.probe``); False: metadata only, a warning per unread stack."""
-    optional_rules: tuple[Rule, ...] = ()
-    """Rules tried after ``rules``, before the defaults, that may match nothing quietly (``split_qkv``'s)."""
-    router_algorithm: str | None = None
-    """Algorithm of mixture-of-experts router weights; None keeps them on the scalar algorithm."""
-
-    def kwargs(self) -> dict[str, Any]:
-        """``route_parameters``' keyword arguments."""
-        return {f.name: getattr(self, f.name) for f in dataclasses.fields(self)} | {"rules": list(self.rules)}
-
-    def build(self, module: nn.Module) -> ParamGroups:
-        """``module``'s trainable parameters in named param groups."""
-        return route_parameters(module, **self.kwargs())
-
-
 def unwrap_module(module: nn.Module) -> nn.Module:
     """The model inside wrappers that hold it whole: Fabric's ``_FabricModule`` (its ``.module``), DDP's
     ``DistributedDataParallel`` (``.module``) and ``torch.compile``'s ``OptimizedModule`` (``._orig_mod``)."""
@@ -475,47 +435,23 @@ def unwrap_module(module: nn.Module) -> nn.Module:
             return module
 
 
-def route_parameters(
+def route(
     module: nn.Module,
-    rules: Iterable[Rule | dict[str, Any]] | None = None,
-    *,
-    default_rules: bool = True,
-    max_aspect_ratio: float | None = None,
-    head_names: Iterable[str] = DEFAULT_HEAD_NAMES,
-    head_by_position: bool = True,
-    scalar_algorithm: str = "adamw",
-    input_layer: bool = False,
+    settings: Any,
     matrix_algorithm: str = "muon",
-    split_gate_up: bool = True,
-    router_algorithm: str | None = None,
-    optional_rules: Iterable[Rule | dict[str, Any]] = (),
-    probe_experts: bool = True,
+    scalar_algorithm: str = "adamw",
+    optional_rules: Iterable[Rule] = (),
 ) -> ParamGroups:
-    """Split ``module``'s trainable parameters into named param groups by ordered rules.
+    """Split ``module``'s trainable parameters into named param groups by ``settings``' ordered rules.
 
-    Args:
-        module: the model; a wrapper around it (Fabric's ``_FabricModule``, DDP, ``torch.compile``)
-            is looked through, so names and layer types are the model's own.
-        rules: user rules (``Rule`` or dicts of its fields), tried before the defaults.
-        default_rules: append the default rules of this module's docstring.
-        max_aspect_ratio: send matrices more rectangular than this to AdamW.
-        head_names: attribute names that mark a Linear as the output head.
-        head_by_position: with no named head, treat the last ``nn.Linear`` as the head.
-        scalar_algorithm: ``"adamw"``, ``"lion"``, ``"adamw_schedulefree"`` or another registered
-            algorithm that does not orthogonalize, for the default rules' non-Muon groups (their
-            group names take the algorithm's name; options it does not know are dropped).
-        input_layer: send the first convolution or Linear weight (the stem) to AdamW.
-        matrix_algorithm: ``"muon"`` or a registered variant of it (``"muon_hyperball"``) for the
-            default rules' hidden matrices (group ``muon`` becomes the algorithm's name).
-        split_gate_up: orthogonalize a mixture-of-experts fused gate/up as its two matrices per
-            expert (``experts`` module docstring); False keeps each expert's fused matrix whole.
-        router_algorithm: where the default rules send mixture-of-experts router weights;
-            None: the scalar algorithm (``"muon"`` or a variant sends them to Muon).
-        optional_rules: rules tried after ``rules`` and before the defaults that may match
-            nothing without a warning (``split_qkv``'s, for models without a fused QKV).
-        probe_experts: read mixture-of-experts layouts and routers that transformers' metadata
-            does not give from the model's own forward (``routing.probe``: a few float64 forwards
-            of each distinct MoE block on stand-in values); False: metadata only.
+    What ``route_parameters`` and ``MuonConfig.route`` run: ``settings`` (a ``RoutingSettings``,
+    named by shape here: it is made of this module's rules) holds the rules and the knobs of the
+    default rules, ``matrix_algorithm`` and
+    ``scalar_algorithm`` are the default rules' two algorithms, and ``optional_rules`` are tried
+    after the user's and before the defaults, and may match nothing without a warning
+    (``split_qkv``'s, for models without a fused QKV). A wrapper around ``module`` (Fabric's
+    ``_FabricModule``, DDP, ``torch.compile``) is looked through, so names and layer types are the
+    model's own.
 
     Names: a rule matches the names of ``module.named_parameters()``, relative to the module
     routed, exactly as the report prints them. Under Lightning the mixin routes the
@@ -534,33 +470,32 @@ def route_parameters(
     """
     scalar_algorithm = get_algorithm_of_kind(scalar_algorithm, False, "scalar_algorithm").name
     matrix_algorithm = get_algorithm_of_kind(matrix_algorithm, True, "matrix_algorithm").name
-    if max_aspect_ratio is not None and not max_aspect_ratio >= 1:
-        raise ValueError(f"max_aspect_ratio must be >= 1 or None, got {max_aspect_ratio!r}")
+    router_algorithm = settings.router_algorithm
     if router_algorithm is not None:
         router_algorithm = get_algorithm(router_algorithm).name
-    user_rules = [r if isinstance(r, Rule) else Rule(**r) for r in (rules or [])]
-    extra_rules = [r if isinstance(r, Rule) else Rule(**r) for r in optional_rules]
+    user_rules = list(settings.rules)
+    extra_rules = list(optional_rules)
     module = unwrap_module(module)
     owners = {id(p): m for m in module.modules() for p in m.parameters(recurse=False)}
     embedding_ids = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
-    head_ids, head_how = _head_params(module, tuple(head_names), head_by_position)
-    experts = find_experts(module, split_gate_up, probe_experts)
+    head_ids, head_how = _head_params(module, settings.head_names, settings.head_by_position)
+    experts = find_experts(module, settings.split_gate_up, settings.probe_experts)
     stacks = experts.stacks
     found = _Found(
         embeddings=embedding_ids,
         head=head_ids,
-        stem=_stem_params(module) if input_layer else None,
+        stem=_stem_params(module) if settings.input_layer else None,
         transposed=transposed_weights(module),
         routers=experts.routers - head_ids - embedding_ids,
         stacks=stacks,
     )
     defaults = []
-    if default_rules:
-        defaults = _default_rules(max_aspect_ratio, found, router_algorithm)
+    if settings.default_rules:
+        defaults = _default_rules(settings.max_aspect_ratio, found, router_algorithm)
         if not head_ids and any(p.ndim >= 2 for p in module.parameters()):
             warnings.warn(
                 "route_parameters: no output head found (no get_output_embeddings(), get_classifier(), Linear named "
-                f"one of {tuple(head_names)}, or last nn.Linear); every matrix goes to Muon. Name the head with "
+                f"one of {settings.head_names}, or last nn.Linear); every matrix goes to Muon. Name the head with "
                 "head_names or route it with a Rule",
                 UserWarning,
                 stacklevel=2,

@@ -1,14 +1,17 @@
-"""``RoutingSettings``: the routing section of ``MuonConfig``, what a user writes about where parameters go.
+"""``RoutingSettings``: where parameters go, each knob declared once; ``route_parameters``, the routing entry.
 
-The matrix and scalar algorithms are the config's ``matrix`` and ``scalar`` sections; with
-them, ``resolve`` makes the ``RoutingConfig`` that ``route_parameters`` takes (the user's
-rules, then ``split_qkv``'s, then the defaults).
+The routing section of ``MuonConfig`` in YAML, and ``route_parameters``' keywords in Python, are
+these fields. With the two algorithms of the default rules (the config's ``matrix`` and
+``scalar`` sections, or ``route_parameters``' ``matrix_algorithm`` and ``scalar_algorithm``),
+``RoutingSettings.route`` splits a module's parameters into named groups: the user's rules, then
+``split_qkv``'s, then the default rules (``rules``).
 """
 
 from __future__ import annotations
 
 import re
 import warnings
+from collections.abc import Iterable
 from dataclasses import dataclass, field
 from typing import Any
 
@@ -16,9 +19,9 @@ from torch import nn
 
 from lightning_muon.algorithms import get_algorithm
 from lightning_muon.routing.fused_qkv import QKV_NAMES, split_rules
-from lightning_muon.routing.rules import DEFAULT_HEAD_NAMES, ParamGroups, RoutingConfig, Rule
+from lightning_muon.routing.rules import DEFAULT_HEAD_NAMES, ParamGroups, Rule, route
 
-__all__ = ["RoutingSettings"]
+__all__ = ["RoutingSettings", "route_parameters"]
 
 
 @dataclass(kw_only=True)
@@ -71,45 +74,12 @@ class RoutingSettings:
                 )
             self.qkv_split_shapes = shapes
 
-    def resolve(self, matrix_algorithm: str, scalar_algorithm: str) -> RoutingConfig:
-        """``route_parameters``' arguments with the config's two algorithms and ``split_qkv``'s rules."""
-        return _Routing(
-            rules=tuple(self.rules),
-            optional_rules=tuple(split_rules(self.split_qkv, self.qkv_split_shapes, matrix_algorithm)),
-            default_rules=self.default_rules,
-            max_aspect_ratio=self.max_aspect_ratio,
-            head_names=self.head_names,
-            head_by_position=self.head_by_position,
-            input_layer=self.input_layer,
-            scalar_algorithm=scalar_algorithm,
-            matrix_algorithm=matrix_algorithm,
-            split_gate_up=self.split_gate_up,
-            router_algorithm=self.router_algorithm,
-            probe_experts=self.probe_experts,
-            unsplit_qkv=self.split_qkv and self.qkv_split_shapes is None,
-        )
-
-    def to_dict(self) -> dict[str, Any]:
-        """Plain values (rules as dicts of the fields they set), for YAML and ``save_hyperparameters``."""
-        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
-        out["rules"] = [r.to_dict() for r in self.rules]
-        return out
-
-
-@dataclass(frozen=True, kw_only=True)
-class _Routing(RoutingConfig):
-    unsplit_qkv: bool = False
-    """``split_qkv`` without ``qkv_split_shapes``: a fused QKV weight other than nn.MultiheadAttention's is
-    orthogonalized whole, with a warning naming it."""
-
-    def kwargs(self) -> dict[str, Any]:
-        out = super().kwargs()
-        out.pop("unsplit_qkv")
-        return out
-
-    def build(self, module: nn.Module) -> ParamGroups:
-        groups = super().build(module)
-        if self.unsplit_qkv:
+    def route(self, module: nn.Module, matrix_algorithm: str = "muon", scalar_algorithm: str = "adamw") -> ParamGroups:
+        """``module``'s trainable parameters in named param groups (``rules.route``), with ``matrix_algorithm`` and
+        ``scalar_algorithm`` for the default rules' hidden matrices and everything else."""
+        optional = split_rules(self.split_qkv, self.qkv_split_shapes, matrix_algorithm)
+        groups = route(module, self, matrix_algorithm, scalar_algorithm, optional)
+        if self.split_qkv and self.qkv_split_shapes is None:
             split = {id(p) for g in groups if g.get("split_sizes") or g.get("split_parts") for p in g["params"]}
             whole = [
                 n
@@ -122,9 +92,44 @@ class _Routing(RoutingConfig):
                     "routing.qkv_split_shapes is not set, so they are orthogonalized whole; set it to the rows of Q, "
                     "K and V per query group to split them",
                     UserWarning,
-                    stacklevel=2,
+                    stacklevel=3,
                 )
         return groups
+
+    def to_dict(self) -> dict[str, Any]:
+        """Plain values (rules as dicts of the fields they set), for YAML and ``save_hyperparameters``."""
+        out = {name: getattr(self, name) for name in self.__dataclass_fields__}
+        out["rules"] = [r.to_dict() for r in self.rules]
+        return out
+
+
+def route_parameters(
+    module: nn.Module,
+    rules: Iterable[Rule | dict[str, Any]] | None = None,
+    *,
+    matrix_algorithm: str = "muon",
+    scalar_algorithm: str = "adamw",
+    **settings: Any,
+) -> ParamGroups:
+    """Split ``module``'s trainable parameters into named param groups by ordered rules; the first match wins.
+
+    Args:
+        module: the model; a wrapper around it (Fabric's ``_FabricModule``, DDP, ``torch.compile``)
+            is looked through, so names and layer types are the model's own.
+        rules: user rules (``Rule`` or dicts of its fields), tried before the default rules.
+        matrix_algorithm: ``"muon"`` or a registered variant of it (``"muon_hyperball"``) for the
+            default rules' hidden matrices (group ``muon`` becomes the algorithm's name).
+        scalar_algorithm: ``"adamw"``, ``"lion"``, ``"adamw_schedulefree"`` or another registered
+            algorithm that does not orthogonalize, for the default rules' other groups (their
+            names take the algorithm's; options it does not know are dropped).
+        **settings: the other fields of ``RoutingSettings`` (``max_aspect_ratio``, ``head_names``,
+            ``input_layer``, ``split_qkv``, ``router_algorithm``, ``probe_experts``, ...), each
+            documented there.
+
+    Returns:
+        ``ParamGroups`` (``rules.route``), with ``report()``.
+    """
+    return RoutingSettings(rules=list(rules or []), **settings).route(module, matrix_algorithm, scalar_algorithm)
 
 
 def _rule(index: int, value: Rule | dict[str, Any]) -> Rule:
