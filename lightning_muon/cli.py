@@ -22,7 +22,8 @@ Which data a model gets:
   loaders.
 
 The run's config is saved to the run's log directory as ``config.yaml``, never over a
-``--config`` input or a file the CLI did not write (then ``config_1.yaml``, ...).
+``--config`` input or a file the CLI did not write (then ``config_1.yaml``, ...:
+``lightning_muon.callbacks.MuonSaveConfigCallback``).
 
 A rejected value or option is reported in two lines: the first names it as written
 (``error: model.init_args.muon_config.falloff: 'cosin' is not one of ...; did you mean
@@ -46,21 +47,20 @@ import re
 import sys
 import types
 import typing
-from argparse import ArgumentError
 from pathlib import Path
 from typing import Any, ClassVar, Literal, NoReturn, Union
 
 import lightning.pytorch as pl
 import yaml
-from jsonargparse import ActionConfigFile, Namespace
-from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
+from jsonargparse import Namespace
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_muon import checkpoints, options
-from lightning_muon.bundled_configs import bundled_configs, find_config
+from lightning_muon.bundled_configs import BundledConfigFile, bundled_configs
+from lightning_muon.callbacks.save_config import DUMP_HEADER, MuonSaveConfigCallback
 
-__all__ = ["BundledConfigFile", "MuonCLI", "MuonSaveConfigCallback", "main", "register_demo_data"]
+__all__ = ["MuonCLI", "main", "register_demo_data"]
 
 PROG = "python -m lightning_muon"
 
@@ -76,10 +76,6 @@ _LOADER_HOOK = {
     "test": "test_dataloader",
     "predict": "predict_dataloader",
 }
-
-# First line of every config this CLI saves: how it recognizes its own files, the only
-# ones it may write over.
-DUMP_HEADER = "lightning_muon: the config of a run, saved by the CLI"
 
 
 def register_demo_data(model: str, datamodule: str) -> None:
@@ -499,65 +495,6 @@ class MuonArgumentParser(LightningArgumentParser):
             "algorithm (muon, adamw, ...) or a config section (state, routing, schedule)\n"
         )
         self.exit(2)
-
-
-class BundledConfigFile(ActionConfigFile):
-    """``--config``: a file, a config string, or the name of a config shipped with the package (``--config muon``).
-
-    A path that exists wins over a bundled name (``bundled_configs.find_config``).
-    """
-
-    def __call__(self, parser: Any, cfg: Any, values: Any, option_string: str | None = None) -> None:
-        try:
-            values = find_config(values)
-        except ValueError as err:
-            raise ArgumentError(self, str(err)) from None
-        super().__call__(parser, cfg, values, option_string)
-
-
-class MuonSaveConfigCallback(SaveConfigCallback):
-    """Saves the run's config to the log directory without writing over the user's files.
-
-    With ``logger: false`` the log directory is ``default_root_dir`` (the working
-    directory by default), where ``config.yaml`` may be the very file the run was started
-    with. The config goes to ``config.yaml`` unless that is a ``--config`` input or a file
-    this CLI did not save; then to ``config_1.yaml``, ``config_2.yaml``, ... (the first
-    free one). The path is printed.
-
-    Args:
-        input_configs: The ``--config`` files of the run.
-    """
-
-    def __init__(self, *args: Any, input_configs: list[str] | tuple[str, ...] = (), **kwargs: Any) -> None:
-        kwargs["overwrite"] = True  # over the CLI's own earlier saves only; _choose_name avoids the rest
-        super().__init__(*args, **kwargs)
-        self.input_configs = {os.path.realpath(path) for path in input_configs}
-
-    def _writable(self, fs: Any, path: str) -> bool:
-        if os.path.realpath(path) in self.input_configs:
-            return False
-        if not fs.isfile(path):
-            return True
-        with fs.open(path, "r") as f:
-            return f.readline().strip() == f"# {DUMP_HEADER}"
-
-    def _choose_name(self, log_dir: str) -> str:
-        fs = get_filesystem(log_dir)
-        stem, ext = os.path.splitext(self.config_filename)
-        candidates = (self.config_filename if n == 0 else f"{stem}_{n}{ext}" for n in range(10_000))
-        for name in candidates:
-            if self._writable(fs, os.path.join(log_dir, name)):
-                return name
-        raise RuntimeError(f"no free name for the run's config in {log_dir}")
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not self.already_saved and self.save_to_log_dir:
-            log_dir = trainer.log_dir  # on every rank: it broadcasts
-            # Only rank zero writes; with overwrite on, the other ranks never look at the name.
-            if trainer.is_global_zero and log_dir is not None:
-                self.config_filename = self._choose_name(log_dir)
-                rank_zero_info(f"The run's config: {os.path.join(log_dir, self.config_filename)}")
-        super().setup(trainer, pl_module, stage)
 
 
 def _demo_data_of(model_path: str | None) -> str | None:
