@@ -9,17 +9,9 @@ model (``python -m lightning_muon_demo fit`` is this CLI with the demo model as 
 Importing the package registers the Muon strategies, so ``--trainer.strategy=muon_ddp``
 works.
 
-Which data a model gets:
-
-- ``--data`` (or the config's ``data:``) names a datamodule: the model trains on it,
-  except that a demo datamodule (one registered with :func:`register_demo_data` for its
-  model, such as the demo's ``CharTextDataModule``) is not given to another model that
-  has its own loader for the subcommand (``train_dataloader`` for ``fit``): the bundled
-  configs name it for the demo model, and a datamodule would win over your
-  loaders. A note on stderr says so.
-- No datamodule (``--data=null``, or a config without ``data:``): a model with a
-  registered demo datamodule gets it with its defaults; any other model uses its own
-  loaders.
+A package may change a parsed config before its classes are made by adding a function to
+``CONFIG_HOOKS``: ``lightning_muon_demo`` gives its model its data there, keeps it from a model
+of yours with its own loaders, and notes what such a model keeps of the demo model's arguments.
 
 The run's config is saved to the run's log directory as ``config.yaml``, never over a
 ``--config`` input or a file the CLI did not write (then ``config_1.yaml``, ...:
@@ -47,57 +39,25 @@ import re
 import sys
 import types
 import typing
-from pathlib import Path
+from collections.abc import Callable, Sequence
 from typing import Any, ClassVar, Literal, NoReturn, Union
 
 import lightning.pytorch as pl
-import yaml
 from jsonargparse import Namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
 
 from lightning_muon import checkpoints, options
 from lightning_muon.bundled_configs import BundledConfigFile, bundled_configs
 from lightning_muon.callbacks.save_config import DUMP_HEADER, MuonSaveConfigCallback
 
-__all__ = ["MuonCLI", "main", "register_demo_data"]
+__all__ = ["CONFIG_HOOKS", "MuonCLI", "main"]
 
 PROG = "python -m lightning_muon"
 
-# Demo datamodules by the class path of the model they were made for. A package that ships
-# a model with its own data registers the pair on import (lightning_muon_demo does); the
-# library itself names no model, so it never imports a demo.
-_DEMO_DATA: dict[str, str] = {}
-
-# The loader a model needs for each subcommand when no datamodule is given.
-_LOADER_HOOK = {
-    "fit": "train_dataloader",
-    "validate": "val_dataloader",
-    "test": "test_dataloader",
-    "predict": "predict_dataloader",
-}
-
-
-def register_demo_data(model: str, datamodule: str) -> None:
-    """Registers ``datamodule`` as the demo data made for ``model`` (class paths).
-
-    The CLI then gives ``model`` (and its subclasses) this datamodule when no ``--data`` is
-    given, and leaves it out for another model that has its own loaders (see the module
-    docstring). Registering the same pair again is a no-op.
-
-    Raises:
-        ValueError: ``model`` or ``datamodule`` is not a dotted class path, or ``model``
-            already has another demo datamodule.
-    """
-    for name, path in (("model", model), ("datamodule", datamodule)):
-        if not isinstance(path, str) or "." not in path:
-            raise ValueError(f"register_demo_data: {name} must be a dotted class path, got {path!r}")
-    if _DEMO_DATA.get(model, datamodule) != datamodule:
-        raise ValueError(
-            f"register_demo_data: model {model!r} already has the demo datamodule {_DEMO_DATA[model]!r},"
-            f" got {datamodule!r}"
-        )
-    _DEMO_DATA[model] = datamodule
+# Called in turn with the CLI once its config is parsed, before its classes are made; each may change ``cli.config``
+# (``cli.parser.given`` is the command line). A package of models adds one on import, the library itself naming no
+# model: lightning_muon_demo's give its model its data and note what a model of yours keeps from the demo configs.
+CONFIG_HOOKS: list[Callable[[MuonCLI], None]] = []
 
 
 def _import_class(class_path: str) -> type:
@@ -111,101 +71,6 @@ def _try_import(class_path: str) -> type | None:
         return _import_class(class_path)
     except (ImportError, AttributeError, ValueError):
         return None
-
-
-def _plain(value: Any) -> Any:
-    """``value`` as YAML holds it: Namespaces and dataclasses as dicts, tuples as lists."""
-    if isinstance(value, Namespace):
-        value = value.as_dict()
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _class_defaults(cls: Any) -> dict[str, Any]:
-    """The defaults of ``cls``'s init arguments (a dataclass's fields included), as YAML holds them."""
-    if dataclasses.is_dataclass(cls):
-        out = {}
-        for f in dataclasses.fields(cls):
-            if f.default is not dataclasses.MISSING:
-                out[f.name] = _plain(f.default)
-            elif f.default_factory is not dataclasses.MISSING:
-                out[f.name] = _plain(f.default_factory())
-        return out
-    try:
-        parameters = inspect.signature(cls).parameters.values()
-    except (TypeError, ValueError):
-        return {}
-    return {p.name: _plain(p.default) for p in parameters if p.default is not inspect.Parameter.empty}
-
-
-def _derived_from(given: Any, final: Any, annotation: Any) -> bool:
-    """Whether ``final`` (a parsed argument) still carries the bundled config's ``given`` value.
-
-    A section (a dict, such as ``muon_config``) counts as kept when one of its values that
-    differs from the class's default survives: ``--model.init_args.muon_config=null`` followed
-    by single fields makes a fresh one, not the bundled one.
-    """
-    final = _plain(final)
-    if final is None:
-        return False
-    if not isinstance(given, dict) or not isinstance(final, dict):
-        return _plain(given) == final
-    defaults = _class_defaults(_class_of(annotation))
-    telling = {k: _plain(v) for k, v in given.items() if k not in defaults or defaults[k] != _plain(v)}
-    return any(_carries(v, final.get(k)) for k, v in telling.items())
-
-
-def _carries(given: Any, final: Any) -> bool:
-    """Whether the parsed ``final`` holds every value of ``given`` (a nested section may gain defaults).
-
-    A ``class_path`` matches by the class it names (``MuonSettings`` and its full import path).
-    """
-    if isinstance(given, dict):
-        if not isinstance(final, dict):
-            return False
-        return all(
-            _names_class(v, final.get(k)) if k == "class_path" else _carries(v, final.get(k)) for k, v in given.items()
-        )
-    return given == final
-
-
-def _names_class(given: Any, final: Any) -> bool:
-    """Whether class path ``given`` (perhaps a short name, as jsonargparse takes it) names ``final``'s class."""
-    if not isinstance(given, str) or not isinstance(final, str):
-        return False
-    return _same_class(given, final) or ("." not in given and final.rsplit(".", 1)[-1] == given)
-
-
-def _same_class(a: str, b: str) -> bool:
-    """Whether the class paths ``a`` and ``b`` name one class (``pkg.Model`` and ``pkg.module.Model``)."""
-    if a == b:
-        return True
-    first, second = _try_import(a), _try_import(b)
-    return first is not None and first is second
-
-
-def _is_class(class_path: object, target: str) -> bool:
-    """Whether ``class_path`` names ``target`` or a subclass of it."""
-    if not isinstance(class_path, str):
-        return False
-    if class_path == target:
-        return True
-    try:
-        return issubclass(_import_class(class_path), _import_class(target))
-    except (ImportError, AttributeError, TypeError):
-        return False
-
-
-def _class_spec(class_path: str) -> Namespace:
-    """``class_path`` with its defaults, as the parser holds a class given by name."""
-    parameters = inspect.signature(_import_class(class_path)).parameters.values()
-    init_args = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
-    return Namespace(class_path=class_path, init_args=Namespace(**init_args))
 
 
 def _error_summary(message: str) -> str:
@@ -458,6 +323,10 @@ class MuonArgumentParser(LightningArgumentParser):
     option name (``_rejection``); other errors keep jsonargparse's details.
     """
 
+    def parse_args(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Namespace:
+        self.given = sys.argv[1:] if args is None else list(args)  # what CONFIG_HOOKS may read
+        return super().parse_args(args, *rest, **kwargs)
+
     def format_help(self) -> str:
         """jsonargparse's help; the top level's also names the commands ``main`` runs itself (``OWN_COMMANDS``)."""
         text = super().format_help()
@@ -497,27 +366,8 @@ class MuonArgumentParser(LightningArgumentParser):
         self.exit(2)
 
 
-def _demo_data_of(model_path: str | None) -> str | None:
-    """The demo datamodule registered for ``model_path`` or a base class of it, if any."""
-    if model_path is None:
-        return None
-    _try_import(model_path)  # importing the model's package registers its pairs
-    return next((data for model, data in _DEMO_DATA.items() if _is_class(model_path, model)), None)
-
-
-def _is_demo_data(data_path: str | None) -> bool:
-    """Whether ``data_path`` is a registered demo datamodule or a subclass of one."""
-    if data_path is None:
-        return False
-    _try_import(data_path)  # importing the datamodule's package registers its pairs
-    return any(_is_class(data_path, data) for data in _DEMO_DATA.values())
-
-
 class MuonCLI(LightningCLI):
-    """LightningCLI with optional data, an optional default model and short errors.
-
-    See the module docstring for which datamodule a model gets and where the config is
-    saved.
+    """LightningCLI with optional data, an optional default model, ``CONFIG_HOOKS`` and short errors.
 
     Args:
         *args: ``LightningCLI``'s arguments.
@@ -552,81 +402,12 @@ class MuonCLI(LightningCLI):
         # Every --config input, of the main parser and of the subcommand's.
         inputs = [*(self.config.get("config") or []), *((config.get("config") or []) if self.subcommand else [])]
         inputs = [os.fspath(path.absolute) for path in inputs if path]
-        self._note_bundled_model_arguments(config, inputs)
-        self._choose_data(config)
+        for hook in CONFIG_HOOKS:
+            hook(self)
         if isinstance(self.save_config_callback, type) and issubclass(
             self.save_config_callback, MuonSaveConfigCallback
         ):
             self.save_config_kwargs["input_configs"] = inputs
-
-    def _note_bundled_model_arguments(self, config: Any, inputs: list[str]) -> None:
-        """One note when a bundled config's model arguments meet another model: which were kept, which dropped.
-
-        ``--config muon --model.class_path=my_pkg.MyModel``: jsonargparse keeps the arguments
-        of the demo model that ``MyModel`` takes too (its ``muon_config``, the demo's whole
-        optimizer and schedule) and drops the others, silently.
-        """
-        model = config.get("model")
-        if not model or not isinstance(model.get("class_path"), str):
-            return
-        bundled = {os.path.realpath(path): name for name, path in bundled_configs().items()}
-        for path in inputs:
-            name = bundled.get(os.path.realpath(path))
-            if name is None:
-                continue
-            section = (yaml.safe_load(Path(path).read_text()) or {}).get("model") or {}
-            demo, demo_args = section.get("class_path"), section.get("init_args") or {}
-            if not isinstance(demo, str) or _same_class(demo, model.class_path):
-                continue
-            init_args = model.get("init_args") or Namespace()
-            arguments = _fields(_try_import(model.class_path))
-            kept = [
-                key
-                for key, value in demo_args.items()
-                if key in init_args and _derived_from(value, init_args.get(key), arguments.get(key))
-            ]
-            if not kept:
-                continue
-            dropped = [key for key in demo_args if key not in init_args]
-            keys = ", ".join(f"model.init_args.{key}" for key in kept)
-            replace = " ".join(f"--model.init_args.{key}=null" for key in kept)
-            rank_zero_info(
-                f"--config {name} was written for {demo}; {model.class_path} keeps from it the trainer settings and "
-                f"{keys}" + (f", not {', '.join(dropped)}" if dropped else "") + f". {replace} starts from your "
-                "model's defaults instead"
-                + (
-                    " (then set single fields: --model.init_args.muon_config.matrix.init_args.lr=0.01)"
-                    if "muon_config" in kept
-                    else ""
-                )
-            )
-
-    def _choose_data(self, config: Any) -> None:
-        """Sets ``config.data`` by the rules in the module docstring, with a note when the demo data is involved."""
-        model_path = config.model.class_path if config.get("model") else None
-        data_path = config.data.class_path if config.get("data") else None
-        demo_data = _demo_data_of(model_path)
-        if demo_data is not None:
-            if data_path is None:
-                config.data = _class_spec(demo_data)
-            return
-        if not _is_demo_data(data_path):
-            return
-        hook = _LOADER_HOOK.get(self.subcommand or "fit", "train_dataloader")
-        model_class = _import_class(model_path)
-        own_loader = getattr(model_class, hook, None) is not getattr(pl.LightningModule, hook)
-        name = model_class.__qualname__
-        if own_loader:
-            config.data = None
-            rank_zero_info(
-                f"{name} defines {hook}: not using the demo datamodule {data_path} from the config"
-                " (pass --data=<class_path> to train on a datamodule)"
-            )
-        else:
-            rank_zero_info(
-                f"{name} has no {hook}: it trains on the demo datamodule {data_path}"
-                " from the config; pass --data=<class_path> for your own"
-            )
 
     def instantiate_classes(self) -> None:
         try:
