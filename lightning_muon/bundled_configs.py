@@ -5,14 +5,19 @@ A clone keeps them in the repository's ``configs/``; the wheel installs the same
 one copy). ``config_dir`` finds whichever this installation has; ``find_config`` turns a
 ``--config`` value into a path: a file that exists, or a config string, is left as it is,
 and a bare name (``muon``, ``muon.yaml``) is looked up among the bundled configs.
+``BundledConfigFile`` is the ``--config`` option that reads it so.
 """
 
 from __future__ import annotations
 
 import re
+from argparse import ArgumentError
 from pathlib import Path
+from typing import Any
 
-__all__ = ["bundled_configs", "config_dir", "find_config"]
+from jsonargparse import ActionConfigFile
+
+__all__ = ["BundledConfigFile", "bundled_configs", "config_dir", "find_config"]
 
 SUFFIX = ".yaml"
 # A bare name: no folder, no YAML or JSON syntax (a config string like '{trainer: ...}').
@@ -54,3 +59,15 @@ def find_config(value: str) -> str:
     if name in configs:
         return str(configs[name])
     raise ValueError(f"{value!r} is neither a file nor a bundled config (bundled: {', '.join(configs)})")
+
+
+class BundledConfigFile(ActionConfigFile):
+    """``--config``: a file, a config string, or the name of a bundled config (``find_config``); a ``ValueError`` of
+    ``find_config`` is the option's error."""
+
+    def __call__(self, parser: Any, cfg: Any, values: Any, option_string: str | None = None) -> None:
+        try:
+            values = find_config(values)
+        except ValueError as err:
+            raise ArgumentError(self, str(err)) from None
+        super().__call__(parser, cfg, values, option_string)

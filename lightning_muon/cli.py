@@ -1,303 +1,66 @@
 """LightningCLI entry point: ``python -m lightning_muon fit --config muon``.
 
-``--config`` takes a file, a config string, or the name of a config shipped with the
-package (``muon``, ``adamw``, ``muon_ddp``, ``muon_fsdp``, ``muon_schedulefree``: the files of
-the repository's ``configs/``, installed with the wheel; see ``bundled_configs``).
+``--config`` also takes a bundled config's name. Any LightningModule or LightningDataModule is taken by ``class_path``;
+the library names no model (``python -m lightning_muon_demo fit`` is this CLI with the demo model as default, and
+gives it its data through ``CONFIG_HOOKS``). The run's config is saved to its log directory, never over a file the
+CLI did not write (``MuonSaveConfigCallback``). ``convert-checkpoint`` and ``options`` run beside LightningCLI's.
 
-Any LightningModule or LightningDataModule is taken by ``class_path``; there is no default
-model (``python -m lightning_muon_demo fit`` is this CLI with the demo model as default).
-Importing the package registers the Muon strategies, so ``--trainer.strategy=muon_ddp``
-works.
-
-Which data a model gets:
-
-- ``--data`` (or the config's ``data:``) names a datamodule: the model trains on it,
-  except that a demo datamodule (one registered with :func:`register_demo_data` for its
-  model, such as the demo's ``CharTextDataModule``) is not given to another model that
-  has its own loader for the subcommand (``train_dataloader`` for ``fit``): the bundled
-  configs name it for the demo model, and a datamodule would win over your
-  loaders. A note on stderr says so.
-- No datamodule (``--data=null``, or a config without ``data:``): a model with a
-  registered demo datamodule gets it with its defaults; any other model uses its own
-  loaders.
-
-The run's config is saved to the run's log directory as ``config.yaml``, never over a
-``--config`` input or a file the CLI did not write (then ``config_1.yaml``, ...).
-
-A rejected value or option is reported in two lines: the first names it as written
-(``error: model.init_args.muon_config.falloff: 'cosin' is not one of ...; did you mean
-'cosine'?``), with the choices or the nearest valid option name, the second points to ``--help``.
-
-Besides LightningCLI's subcommands, ``convert-checkpoint DIR OUT.ckpt`` turns a ``muon_fsdp``
-checkpoint folder into one file (``lightning_muon.checkpoints.convert_checkpoint``), and
-``options [NAME]`` lists every setting of an algorithm or a config section with its doc
-(``lightning_muon.options``); ``--help`` names both.
+An error is two lines on stderr: what is wrong, then where to look. What is wrong comes from the library's own checks:
+each ``MuonConfig`` is made before LightningCLI makes the model, so a setting's own error is printed; and a command
+line the parser refuses is checked value by value against the types of the classes it names (``_check``), the first
+bad value or option named as written, with its choices or the nearest option; what neither finds, as jsonargparse
+words it.
 """
 
 from __future__ import annotations
 
-import ast
 import dataclasses
 import difflib
 import importlib
 import inspect
 import os
-import re
 import sys
 import types
 import typing
-from argparse import ArgumentError
+from collections.abc import Callable, Iterator, Sequence
 from pathlib import Path
-from typing import Any, ClassVar, Literal, NoReturn, Union
+from typing import Any, Literal, NoReturn, Union
 
 import lightning.pytorch as pl
 import yaml
-from jsonargparse import ActionConfigFile, Namespace
-from lightning.fabric.utilities.cloud_io import get_filesystem
-from lightning.pytorch.cli import LightningArgumentParser, LightningCLI, SaveConfigCallback
-from lightning.pytorch.utilities.rank_zero import rank_zero_info
+from jsonargparse import Namespace, dict_to_namespace
+from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
 from lightning_muon import checkpoints, options
-from lightning_muon.bundled_configs import bundled_configs, find_config
+from lightning_muon.algorithms import Settings
+from lightning_muon.bundled_configs import BundledConfigFile, bundled_configs, find_config
+from lightning_muon.callbacks.save_config import DUMP_HEADER, MuonSaveConfigCallback
+from lightning_muon.config import MuonConfig
 
-__all__ = ["BundledConfigFile", "MuonCLI", "MuonSaveConfigCallback", "main", "register_demo_data"]
+__all__ = ["CONFIG_HOOKS", "MuonArgumentParser", "MuonCLI", "main"]
 
-PROG = "python -m lightning_muon"
-
-# Demo datamodules by the class path of the model they were made for. A package that ships
-# a model with its own data registers the pair on import (lightning_muon_demo does); the
-# library itself names no model, so it never imports a demo.
-_DEMO_DATA: dict[str, str] = {}
-
-# The loader a model needs for each subcommand when no datamodule is given.
-_LOADER_HOOK = {
-    "fit": "train_dataloader",
-    "validate": "val_dataloader",
-    "test": "test_dataloader",
-    "predict": "predict_dataloader",
-}
-
-# First line of every config this CLI saves: how it recognizes its own files, the only
-# ones it may write over.
-DUMP_HEADER = "lightning_muon: the config of a run, saved by the CLI"
+# Called in turn with the CLI once its config is parsed, before its classes are made; each may change ``cli.config``
+# (``cli.parser.given`` is the command line). A package of models adds one on import, the library itself naming no
+# model: lightning_muon_demo's give its model its data and note what a model of yours keeps from the demo configs.
+CONFIG_HOOKS: list[Callable[[MuonCLI], None]] = []
 
 
-def register_demo_data(model: str, datamodule: str) -> None:
-    """Registers ``datamodule`` as the demo data made for ``model`` (class paths).
-
-    The CLI then gives ``model`` (and its subclasses) this datamodule when no ``--data`` is
-    given, and leaves it out for another model that has its own loaders (see the module
-    docstring). Registering the same pair again is a no-op.
-
-    Raises:
-        ValueError: ``model`` or ``datamodule`` is not a dotted class path, or ``model``
-            already has another demo datamodule.
-    """
-    for name, path in (("model", model), ("datamodule", datamodule)):
-        if not isinstance(path, str) or "." not in path:
-            raise ValueError(f"register_demo_data: {name} must be a dotted class path, got {path!r}")
-    if _DEMO_DATA.get(model, datamodule) != datamodule:
-        raise ValueError(
-            f"register_demo_data: model {model!r} already has the demo datamodule {_DEMO_DATA[model]!r},"
-            f" got {datamodule!r}"
-        )
-    _DEMO_DATA[model] = datamodule
-
-
-def _import_class(class_path: str) -> type:
-    module, _, name = class_path.rpartition(".")
-    return getattr(importlib.import_module(module), name)
-
-
-def _try_import(class_path: str) -> type | None:
-    """The class at ``class_path``, or ``None`` where it does not import (the parser reports that)."""
-    try:
-        return _import_class(class_path)
-    except (ImportError, AttributeError, ValueError):
-        return None
-
-
-def _plain(value: Any) -> Any:
-    """``value`` as YAML holds it: Namespaces and dataclasses as dicts, tuples as lists."""
-    if isinstance(value, Namespace):
-        value = value.as_dict()
-    elif dataclasses.is_dataclass(value) and not isinstance(value, type):
-        value = dataclasses.asdict(value)
-    if isinstance(value, dict):
-        return {k: _plain(v) for k, v in value.items()}
-    if isinstance(value, (list, tuple)):
-        return [_plain(v) for v in value]
-    return value
-
-
-def _class_defaults(cls: Any) -> dict[str, Any]:
-    """The defaults of ``cls``'s init arguments (a dataclass's fields included), as YAML holds them."""
-    if dataclasses.is_dataclass(cls):
-        out = {}
-        for f in dataclasses.fields(cls):
-            if f.default is not dataclasses.MISSING:
-                out[f.name] = _plain(f.default)
-            elif f.default_factory is not dataclasses.MISSING:
-                out[f.name] = _plain(f.default_factory())
-        return out
-    try:
-        parameters = inspect.signature(cls).parameters.values()
-    except (TypeError, ValueError):
-        return {}
-    return {p.name: _plain(p.default) for p in parameters if p.default is not inspect.Parameter.empty}
-
-
-def _derived_from(given: Any, final: Any, annotation: Any) -> bool:
-    """Whether ``final`` (a parsed argument) still carries the bundled config's ``given`` value.
-
-    A section (a dict, such as ``muon_config``) counts as kept when one of its values that
-    differs from the class's default survives: ``--model.init_args.muon_config=null`` followed
-    by single fields makes a fresh one, not the bundled one.
-    """
-    final = _plain(final)
-    if final is None:
-        return False
-    if not isinstance(given, dict) or not isinstance(final, dict):
-        return _plain(given) == final
-    defaults = _class_defaults(_class_of(annotation))
-    telling = {k: _plain(v) for k, v in given.items() if k not in defaults or defaults[k] != _plain(v)}
-    return any(_carries(v, final.get(k)) for k, v in telling.items())
-
-
-def _carries(given: Any, final: Any) -> bool:
-    """Whether the parsed ``final`` holds every value of ``given`` (a nested section may gain defaults).
-
-    A ``class_path`` matches by the class it names (``MuonSettings`` and its full import path).
-    """
-    if isinstance(given, dict):
-        if not isinstance(final, dict):
-            return False
-        return all(
-            _names_class(v, final.get(k)) if k == "class_path" else _carries(v, final.get(k)) for k, v in given.items()
-        )
-    return given == final
-
-
-def _names_class(given: Any, final: Any) -> bool:
-    """Whether class path ``given`` (perhaps a short name, as jsonargparse takes it) names ``final``'s class."""
-    if not isinstance(given, str) or not isinstance(final, str):
-        return False
-    return _same_class(given, final) or ("." not in given and final.rsplit(".", 1)[-1] == given)
-
-
-def _same_class(a: str, b: str) -> bool:
-    """Whether the class paths ``a`` and ``b`` name one class (``pkg.Model`` and ``pkg.module.Model``)."""
-    if a == b:
-        return True
-    first, second = _try_import(a), _try_import(b)
-    return first is not None and first is second
-
-
-def _is_class(class_path: object, target: str) -> bool:
-    """Whether ``class_path`` names ``target`` or a subclass of it."""
-    if not isinstance(class_path, str):
-        return False
-    if class_path == target:
-        return True
-    try:
-        return issubclass(_import_class(class_path), _import_class(target))
-    except (ImportError, AttributeError, TypeError):
-        return False
-
-
-def _class_spec(class_path: str) -> Namespace:
-    """``class_path`` with its defaults, as the parser holds a class given by name."""
-    parameters = inspect.signature(_import_class(class_path)).parameters.values()
-    init_args = {p.name: p.default for p in parameters if p.default is not inspect.Parameter.empty}
-    return Namespace(class_path=class_path, init_args=Namespace(**init_args))
-
-
-def _error_summary(message: str) -> str:
-    """The most specific line of a jsonargparse error, e.g. "Option 'lr' is not accepted".
-
-    jsonargparse nests the cause under the key and the union alternatives it tried; the
-    deepest line is the cause. Lines about the alternative ``None`` and the given value
-    are context, not the cause.
-    """
-    lines = [line for line in message.splitlines() if line.strip()]
-    if len(lines) <= 1:
-        return message.strip()
-    noise = ("- Expected a <class 'NoneType'>", "Given value", "Subtypes:", "Errors:")
-    candidates = [line for line in lines[1:] if not line.strip().startswith(noise)]
-    if not candidates:
-        return lines[0].strip()
-    deepest = max(candidates, key=lambda line: len(line) - len(line.lstrip()))
-    key = lines[0].strip().rstrip(":")
-    return f"{key}: {deepest.strip().removeprefix('- ')}"
-
-
-_UNION_NOISE = ("Expected a <class 'NoneType'>", "Does not validate against any of the Union subtypes")
-
-
-def _instantiation_cause(err: ValueError) -> str | None:
-    """The message of the error that names the field and the fix, from a jsonargparse instantiation error.
-
-    jsonargparse wraps a class's own ``ValueError`` once per nesting level (the MuonConfig in
-    the module in the subcommand). Newer versions chain it as the innermost ``__cause__``;
-    before 4.42 the innermost cause is the union's ``None`` alternative and the class's
-    error survives only as the deepest line of the outermost message. None: not a
-    ``ValueError`` chain (re-raised as it is).
-    """
-    chain: list[BaseException] = []
-    cause: BaseException | None = err
-    while cause is not None:
-        chain.append(cause)
-        cause = cause.__cause__
-    if not isinstance(chain[-1], ValueError):
-        return None
-    for error in reversed(chain):  # innermost first
-        message = str(error).strip()
-        if isinstance(error, ValueError) and not message.startswith(_UNION_NOISE) and len(message.splitlines()) == 1:
-            return message
-    noise = ("- Expected a <class 'NoneType'>", "Given value", "Subtypes:", "Errors:", *_UNION_NOISE)
-    lines = [line for line in str(chain[0]).splitlines() if line.strip() and not line.strip().startswith(noise)]
-    if not lines:
-        return str(chain[-1]).strip()
-    deepest = max(lines, key=lambda line: len(line) - len(line.lstrip()))
-    return deepest.strip().removeprefix("- ")
-
-
-# The structure of a jsonargparse error: the keys and class paths down to the cause, and the cause.
-_KEY_LINE = re.compile(r'^Parser key "([^"]+)":$')
-_CLASS_LINE = re.compile(r"^Problem with given class_path '([^']+)':$")
-_UNKNOWN_KEY = (  # 4.41's words and 4.42's
-    re.compile(r"Unrecognized arguments: --?([^\s=]+)"),
-    re.compile(r"Key '([^']+)' is not expected"),
-    re.compile(r"Option '([^']+)' is not accepted"),
-)
-_EXPECTED = re.compile(r"Expected an? (?:<class '([^']+)'>|(.+?))\. Got value: (.*)$")
-_NESTED_ARG = re.compile(r"^NestedArg\(key='([^']*)', val=(.*)\)$")
-_STRUCTURE = ("- Expected a <class 'NoneType'>", "Given value", "Subtypes:", "Errors:", *_UNION_NOISE)
-
-
-def _text(line: str) -> str:
-    return line.strip().removeprefix("- ")
-
-
-def _indent(line: str) -> int:
-    return len(line) - len(line.lstrip())
-
-
-def _fields(cls: Any) -> dict[str, Any]:
-    """The init arguments of ``cls`` (a dataclass's fields, a class's ``__init__`` parameters) and their types."""
-    try:
-        if dataclasses.is_dataclass(cls):
-            hints = typing.get_type_hints(cls)
-            return {f.name: hints.get(f.name) for f in dataclasses.fields(cls) if f.init}
-        parameters = inspect.signature(cls).parameters
-    except (TypeError, ValueError, NameError):
-        return {}
-    try:
-        hints = typing.get_type_hints(cls.__init__)
-    except Exception:  # an annotation that does not resolve here: names without types
-        hints = {}
-    variadic = (inspect.Parameter.VAR_POSITIONAL, inspect.Parameter.VAR_KEYWORD)
-    return {name: hints.get(name) for name, p in parameters.items() if p.kind not in variadic}
+def _given(args: Sequence[str]) -> Iterator[tuple[str, Any]]:
+    """Each value a command line sets (``--key value``, ``--key=value``, a ``--config`` input's), by dotted key, in
+    the order the parser reads them; read as YAML, as jsonargparse reads them."""
+    keys = [arg.startswith("--") or arg.partition("=")[0] == "-c" for arg in args]
+    for n, arg in enumerate(args):
+        if not keys[n]:
+            continue
+        key, eq, text = arg.partition("=")
+        text, config = text if eq or n + 1 == len(args) or keys[n + 1] else args[n + 1], key in ("-c", "--config")
+        try:
+            path = find_config(text) if config else text
+            value = yaml.safe_load(Path(path).read_text() if config and os.path.isfile(path) else path)
+        except (ValueError, yaml.YAMLError):  # an input the parser reports itself
+            continue
+        if isinstance(value, dict) or not config:  # --trainer.callbacks+=...: appends
+            yield from dict_to_namespace(value if config else {key.lstrip("-").removesuffix("+"): value}).items()
 
 
 def _alternatives(tp: Any) -> list[Any]:
@@ -307,285 +70,149 @@ def _alternatives(tp: Any) -> list[Any]:
     return [tp]
 
 
+def _class_named(path: str) -> type | None:
+    """The class an import path names; a bare name (as configs write a settings class) is ``lightning_muon``'s."""
+    module, _, name = path.rpartition(".")
+    try:
+        found = getattr(importlib.import_module(module or "lightning_muon"), name)
+    except (ImportError, AttributeError, ValueError):
+        return None
+    return found if inspect.isclass(found) else None
+
+
+def _fields(cls: Any) -> dict[str, Any] | None:
+    """The init arguments of class ``cls`` and their types; None where ``**kwargs`` (or none) leaves them open."""
+    try:
+        parameters = inspect.signature(cls).parameters.values()
+        hints = typing.get_type_hints(cls if dataclasses.is_dataclass(cls) else cls.__init__)
+    except Exception:  # not a class, or annotations that do not resolve here: not ours to check
+        return None
+    if any(p.kind is p.VAR_KEYWORD for p in parameters):
+        return None
+    return {p.name: hints.get(p.name) for p in parameters if p.kind is not p.VAR_POSITIONAL}
+
+
+def _nearest(word: str, options: Sequence[Any], otherwise: str = "") -> str:
+    close = difflib.get_close_matches(word, [str(o) for o in options], n=1)
+    return f"; did you mean {close[0]!r}?" if close else otherwise
+
+
+def _not_one_of(said: str, value: Any, choices: Sequence[Any]) -> str:
+    return f"{said} not one of {', '.join(map(repr, choices))}" + _nearest(str(value), choices)
+
+
 def _choices(tp: Any) -> list[Any]:
     """The values a ``Literal`` type (or a union holding some) allows; empty for any other type."""
-    return [c for alt in _alternatives(tp) if typing.get_origin(alt) is Literal for c in typing.get_args(alt)]
+    return [c for a in _alternatives(tp) if typing.get_origin(a) is Literal for c in typing.get_args(a)]
 
 
-def _class_of(tp: Any) -> type | None:
-    """The class a field's value is built from (``MuonConfig`` for ``MuonConfig | None``), if any."""
-    classes = [a for a in _alternatives(tp) if inspect.isclass(a) and a is not type(None)]
-    if len(classes) == 1 and classes[0].__module__ != "builtins":
-        return classes[0]
-    return None
-
-
-def _given_value(lines: list[str], path: list[str]) -> Any:
-    """The value jsonargparse reports for the key at the end of ``path`` in the lines after its cause, or None.
-
-    The value reported may be a section holding it (``{'schedule': {'falloff': 'cosin'}}``): the
-    longest tail of ``path`` that leads into it is followed.
-    """
-    key = path[-1]
-    for line in lines:
-        text = _text(line)
-        if not text.startswith("Given value: "):
-            continue
-        given = text.removeprefix("Given value: ")
-        nested = _NESTED_ARG.match(given)
-        if nested:
-            if nested.group(1).split(".")[-1] != key:
-                return None
-            given = nested.group(2)
-        try:
-            value = ast.literal_eval(given)
-        except (ValueError, SyntaxError):
-            return given
-        return _dig(value, path) if isinstance(value, dict) else value
-    return None
-
-
-def _dig(value: dict, path: list[str]) -> Any:
-    """``value[path[i]][path[i + 1]]...`` for the smallest ``i`` where every key is there, else None."""
-    for start in range(len(path)):
-        found: Any = value
-        for key in path[start:]:
-            if not isinstance(found, dict) or key not in found:
-                break
-            found = found[key]
-        else:
-            return found
-    return None
-
-
-def _nearest(word: str, options: list[str]) -> str | None:
-    close = difflib.get_close_matches(word, options, n=1, cutoff=0.6)
-    return close[0] if close else None
-
-
-def _rejection(message: str, option_names: list[str]) -> str | None:
-    """One line naming what jsonargparse rejected as the user wrote it, with its choices or the nearest option.
-
-    ``model.init_args.muon_config.falloff: 'cosin' is not one of 'constant', ...; did you mean
-    'cosine'?``; ``model.init_args.muon_config.lrr: MuonConfig has no option 'lrr'; did you mean
-    'lr'?``. None where the message has no key and cause to read (the caller falls back).
-    ``option_names``: the parser's own options, for an unknown one at the top.
-    """
-    lines = [line for line in message.splitlines() if line.strip()]
-    marks = (_KEY_LINE, _CLASS_LINE)
-    structure = [line.strip().startswith(_STRUCTURE) or any(m.match(_text(line)) for m in marks) for line in lines]
-    causes = [i for i in range(len(lines)) if not structure[i]]
-    if not causes:
+def _bad_value(where: str, tp: Any, value: Any) -> str | None:
+    """What is wrong with ``value`` for a field of type ``tp``: not one of a ``Literal``'s choices, a number, a bool."""
+    kinds = [a for a in _alternatives(tp) if a is not type(None)]
+    if value is None and len(kinds) < len(_alternatives(tp)):
         return None
-    at = max(causes, key=lambda i: _indent(lines[i]))  # the deepest: the cause, not its context
-    chain, level = [], _indent(lines[at])
-    for line in reversed(lines[:at]):
-        if _indent(line) < level:
-            level = _indent(line)
-            chain.append(_text(line))
-    path: list[str] = []
-    owner: Any = None  # the class the next key is an argument of
-    field_type: Any = None
-    for text in reversed(chain):
-        if key := _KEY_LINE.match(text):
-            for part in key.group(1).split("."):  # a nested dataclass's key comes dotted ("schedule.falloff")
-                path.append(part)
-                field_type = _fields(owner).get(part) if owner is not None else None
-                owner = _class_of(field_type)
-        elif class_path := _CLASS_LINE.match(text):
-            owner = _try_import(class_path.group(1))
-            path.append("init_args")
-    cause = _text(lines[at])
-    unknown = next((m.group(1) for pattern in _UNKNOWN_KEY if (m := pattern.search(cause))), None)
-    if unknown is not None:
-        while owner is not None and "." in unknown:  # an unknown key inside a nested section comes dotted
-            part, unknown = unknown.split(".", 1)
-            path.append(part)
-            owner = _class_of(_fields(owner).get(part))
-        where = ".".join([*path, unknown])
-        if owner is not None:
-            options, name = list(_fields(owner)), owner.__name__
-            said = f"{where}: {name} has no option {unknown!r}"
-        else:
-            options, name = (option_names if not path else []), None
-            said = f"{where}: no such option"
-            unknown = where
-        nearest = _nearest(unknown, options)
-        if nearest is not None:
-            return f"{said}; did you mean {nearest!r}?"
-        return f"{said}; its options: {', '.join(options)}" if options else said
-    if not path:
-        return None
-    where = ".".join(path)
-    expected = _EXPECTED.search(cause)
-    value = expected.group(3) if expected else _given_value(lines[at + 1 :], path)
-    choices = _choices(field_type)
-    if choices:
-        listed = ", ".join(repr(c) for c in choices)
-        said = f"{where}: {value!r} is not one of {listed}" if value is not None else f"{where}: not one of {listed}"
-        nearest = _nearest(str(value), [str(c) for c in choices]) if value is not None else None
-        return f"{said}; did you mean {nearest!r}?" if nearest is not None else said
-    if expected:
-        wanted = expected.group(1) or expected.group(2)
-        return f"{where}: expected {wanted}, got {value!r}"
-    return f"{where}: {cause}"
-
-
-# jsonargparse 4.41, after a settings section written with a short class_path (``class_path: MuonSettings``)
-# fails a check, reports only that it cannot import the short name; the nested parser said which setting failed.
-_LOST_CLASS = re.compile(r"Expected a dot import path string: (\w+)$")
-
-
-def _refused_setting(where: str, class_name: str, nested: list[str]) -> str | None:
-    """``where`` (``model.init_args.muon_config: ``) and the setting of ``class_name`` a nested parser refused,
-    with its choices; None where the nested errors name none."""
-    import lightning_muon.algorithms as algorithms
-
-    owner = getattr(algorithms, class_name, None)
-    for text in nested:
-        key = _KEY_LINE.match(text.splitlines()[0].strip()) if text.strip() else None
-        if key is None or owner is None or key.group(1) not in _fields(owner):
-            continue
-        name = key.group(1)
-        choices = owner.choices.get(name) or _choices(_fields(owner)[name])
-        said = f"{where}{class_name}.{name}:"
-        return f"{said} not one of {', '.join(repr(c) for c in choices)}" if choices else f"{said} {text.strip()}"
+    if _choices(tp):
+        return None if value in _choices(tp) else _not_one_of(f"{where}: {value!r} is", value, _choices(tp))
+    integer = isinstance(value, int) and not isinstance(value, bool)
+    fits = {int: integer, float: integer or isinstance(value, float), bool: isinstance(value, bool)}
+    if kinds and all(a in fits for a in kinds) and not any(fits[a] for a in kinds):
+        return f"{where}: expected {' or '.join(a.__name__ for a in kinds)}, got {value!r}"
     return None
+
+
+def _check(parts: list[str], i: int, tp: Any, value: Any, classes: dict[str, type | None]) -> str | None:
+    """What is wrong with setting the dotted key ``parts`` to ``value``, where ``parts[:i]`` is a field of type ``tp``.
+
+    ``classes`` holds the class each section taken by ``class_path`` has so far, by its key, and learns new ones. A
+    name a settings section does not know is left to the section, which reads other projects' names (``aliases``).
+    """
+    where = ".".join(parts[:i])
+    cls = next((a for a in _alternatives(tp) if inspect.isclass(a) and a.__module__ != "builtins"), None)
+    if cls is not None and not all(dataclasses.is_dataclass(c) for c in cls.__mro__[:-1]):  # class_path, init_args
+        if i == len(parts) or parts[i] == "class_path":
+            classes[where] = _class_named(value) if isinstance(value, str) else None
+            return None
+        i, cls = i + (parts[i] == "init_args"), classes.get(where)
+    if i == len(parts):
+        return _bad_value(where, tp, value)
+    fields, name = _fields(cls), parts[i]
+    if fields is None or name not in fields and issubclass(cls, Settings):
+        return None
+    if name not in fields:
+        said = f"{'.'.join(parts[: i + 1])}: {cls.__name__} has no option {name!r}"
+        return said + _nearest(name, list(fields), f"; its options: {', '.join(fields)}")
+    if issubclass(cls, Settings) and i + 1 == len(parts):  # named by its class, which a config may give short
+        choices = cls.choices.get(name) or _choices(fields[name])
+        said = f"{where.rpartition('.')[0]}: {cls.__name__}.{name}:"
+        return _not_one_of(said, value, choices) if choices and value not in choices else None
+    return _check(parts, i + 1, fields[name], value, classes)
+
+
+def _problem(parser: LightningArgumentParser, args: Sequence[str]) -> str | None:
+    """The first value of ``args`` that ``_check`` finds wrong, or that no option takes; None where there is none."""
+    actions = {action.dest: action for action in parser._actions}
+    # A group's keys are its options' (trainer.max_steps, ...); a class's (model.help aside), the class's arguments.
+    groups = {name.rpartition(".")[0] for name in actions if not name.endswith(".help")}
+    defaults = {name: action.default for name, action in actions.items() if isinstance(action.default, Namespace)}
+    classes = {name: _class_named(str(d.get("class_path"))) for name, d in defaults.items()}  # a default model
+    for key, value in _given(args):
+        option = next((o for o in actions if key == o or key.startswith(f"{o}.") and o not in groups), None)
+        if option is None:
+            return f"{key}: no such option" + _nearest(key, list(actions))
+        tp = getattr(actions[option], "_typehint", None)  # jsonargparse's type of it; without one, names only
+        if problem := _check(key.split("."), option.count(".") + 1, tp, value, classes):
+            return problem
+    return None
+
+
+def _report(message: str, prog: str) -> NoReturn:
+    """The two lines of an error on stderr (what is wrong, where to look), and exit code 2."""
+    sys.stderr.write(
+        f"error: {message}\ntip: {prog} --help lists the options; python -m lightning_muon options NAME lists the "
+        "settings of an algorithm (muon, adamw, ...) or a config section (state, routing, schedule)\n"
+    )
+    raise SystemExit(2)
+
+
+def _made(value: Any) -> Any:
+    """A parsed value as jsonargparse makes it: each ``class_path`` made with its ``init_args``."""
+    if isinstance(value, Namespace) and isinstance(value.get("class_path"), str):
+        return _class_named(value.class_path)(**_made(value.get("init_args") or Namespace()))
+    if isinstance(value, Namespace):
+        return {key: _made(inner) for key, inner in vars(value).items()}
+    return [_made(inner) for inner in value] if isinstance(value, list) else value
 
 
 class MuonArgumentParser(LightningArgumentParser):
-    """Reports a parse error as its cause first, then a hint; no usage.
+    """A parse error in two lines (``_report``), the first ``_problem``'s where it finds one; no usage (jsonargparse
+    prints some 50 lines of it first, and words the cause deep in nested lines, or not at all)."""
 
-    jsonargparse prints the whole usage (some 50 lines) before the error, so the one line
-    that says what is wrong ends up below the fold. A rejected value or option is named as
-    written (``model.init_args.muon_config.falloff``), with its choices or the nearest valid
-    option name (``_rejection``); other errors keep jsonargparse's details.
-    """
+    def parse_args(self, args: Sequence[str] | None = None, *rest: Any, **kwargs: Any) -> Namespace:
+        self.given = sys.argv[1:] if args is None else list(args)  # what error() checks, and CONFIG_HOOKS may read
+        return super().parse_args(args, *rest, **kwargs)
 
     def format_help(self) -> str:
         """jsonargparse's help; the top level's also names the commands ``main`` runs itself (``OWN_COMMANDS``)."""
         text = super().format_help()
         if self._subcommands_action is None:
             return text
-        own = "".join(f"  {self.prog} {name} {what}\n" for name, what in OWN_COMMANDS.items())
-        return f"{text}\nmore commands:\n{own}"
-
-    # The errors of nested parsers (a section's own), first first: the top-level message may have lost them.
-    _nested_errors: ClassVar[list[str]] = []
+        return text + "\nmore commands:\n" + "".join(f"  {self.prog} {k} {v}\n" for k, (_, v) in OWN_COMMANDS.items())
 
     def error(self, message: str, ex: Exception | None = None) -> NoReturn:
-        if not self.exit_on_error:
-            MuonArgumentParser._nested_errors.append(message)
-        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):
+        if not self.exit_on_error or os.environ.get("JSONARGPARSE_DEBUG"):  # a nested parser's: its owner reports it
             super().error(message, ex)
-        nested, MuonArgumentParser._nested_errors = MuonArgumentParser._nested_errors, []
-        parser = getattr(ex, "subcommand_parser", None) or self
-        prog = parser.prog.replace(" [options]", "")
-        options = [a.dest for a in parser._actions if a.dest not in ("help", "config", "print_config")]
-        rejected = _rejection(message, [name for name in options if not name.endswith(".help")])
-        if rejected is not None and (lost := _LOST_CLASS.search(rejected)):
-            rejected = _refused_setting(rejected[: lost.start()], lost.group(1), nested) or rejected
-        summary = rejected or _error_summary(message)
-        sys.stderr.write(f"error: {summary}\n")
-        if rejected is None and len(message.strip().splitlines()) > 2:  # more than the summary says
-            sys.stderr.write("details:\n" + "".join(f"  {line}\n" for line in message.strip().splitlines()))
-        if summary.endswith(".model") or ".model " in summary:  # no model named, and no default
-            sys.stderr.write(
-                "tip: name one with --model=<class_path> or --config=<file>;"
-                " python -m lightning_muon_demo fit trains the demo model\n"
-            )
-        sys.stderr.write(
-            f"tip: {prog} --help lists the options; python -m lightning_muon options NAME lists the settings of an "
-            "algorithm (muon, adamw, ...) or a config section (state, routing, schedule)\n"
-        )
-        self.exit(2)
-
-
-class BundledConfigFile(ActionConfigFile):
-    """``--config``: a file, a config string, or the name of a config shipped with the package (``--config muon``).
-
-    A path that exists wins over a bundled name (``bundled_configs.find_config``).
-    """
-
-    def __call__(self, parser: Any, cfg: Any, values: Any, option_string: str | None = None) -> None:
-        try:
-            values = find_config(values)
-        except ValueError as err:
-            raise ArgumentError(self, str(err)) from None
-        super().__call__(parser, cfg, values, option_string)
-
-
-class MuonSaveConfigCallback(SaveConfigCallback):
-    """Saves the run's config to the log directory without writing over the user's files.
-
-    With ``logger: false`` the log directory is ``default_root_dir`` (the working
-    directory by default), where ``config.yaml`` may be the very file the run was started
-    with. The config goes to ``config.yaml`` unless that is a ``--config`` input or a file
-    this CLI did not save; then to ``config_1.yaml``, ``config_2.yaml``, ... (the first
-    free one). The path is printed.
-
-    Args:
-        input_configs: The ``--config`` files of the run.
-    """
-
-    def __init__(self, *args: Any, input_configs: list[str] | tuple[str, ...] = (), **kwargs: Any) -> None:
-        kwargs["overwrite"] = True  # over the CLI's own earlier saves only; _choose_name avoids the rest
-        super().__init__(*args, **kwargs)
-        self.input_configs = {os.path.realpath(path) for path in input_configs}
-
-    def _writable(self, fs: Any, path: str) -> bool:
-        if os.path.realpath(path) in self.input_configs:
-            return False
-        if not fs.isfile(path):
-            return True
-        with fs.open(path, "r") as f:
-            return f.readline().strip() == f"# {DUMP_HEADER}"
-
-    def _choose_name(self, log_dir: str) -> str:
-        fs = get_filesystem(log_dir)
-        stem, ext = os.path.splitext(self.config_filename)
-        candidates = (self.config_filename if n == 0 else f"{stem}_{n}{ext}" for n in range(10_000))
-        for name in candidates:
-            if self._writable(fs, os.path.join(log_dir, name)):
-                return name
-        raise RuntimeError(f"no free name for the run's config in {log_dir}")
-
-    def setup(self, trainer: pl.Trainer, pl_module: pl.LightningModule, stage: str) -> None:
-        if not self.already_saved and self.save_to_log_dir:
-            log_dir = trainer.log_dir  # on every rank: it broadcasts
-            # Only rank zero writes; with overwrite on, the other ranks never look at the name.
-            if trainer.is_global_zero and log_dir is not None:
-                self.config_filename = self._choose_name(log_dir)
-                rank_zero_info(f"The run's config: {os.path.join(log_dir, self.config_filename)}")
-        super().setup(trainer, pl_module, stage)
-
-
-def _demo_data_of(model_path: str | None) -> str | None:
-    """The demo datamodule registered for ``model_path`` or a base class of it, if any."""
-    if model_path is None:
-        return None
-    _try_import(model_path)  # importing the model's package registers its pairs
-    return next((data for model, data in _DEMO_DATA.items() if _is_class(model_path, model)), None)
-
-
-def _is_demo_data(data_path: str | None) -> bool:
-    """Whether ``data_path`` is a registered demo datamodule or a subclass of one."""
-    if data_path is None:
-        return False
-    _try_import(data_path)  # importing the datamodule's package registers its pairs
-    return any(_is_class(data_path, data) for data in _DEMO_DATA.values())
+        # The top level's command line holds the subcommand's, which only the subcommand's parser checks.
+        problem = _problem(self, getattr(self, "given", ())) if self._subcommands_action is None else None
+        _report(problem or message.strip(), self.prog.replace(" [options]", ""))
 
 
 class MuonCLI(LightningCLI):
-    """LightningCLI with optional data, an optional default model and short errors.
-
-    See the module docstring for which datamodule a model gets and where the config is
-    saved.
+    """LightningCLI with optional data, an optional default model, ``CONFIG_HOOKS`` and two-line errors.
 
     Args:
         *args: ``LightningCLI``'s arguments.
-        default_model: The class path of the model when neither ``--model`` nor the config
-            names one; ``None`` (the default) makes ``--model`` required.
+        default_model: The class path of the model when neither ``--model`` nor the config names one; ``None`` (the
+            default) makes ``--model`` required.
         **kwargs: ``LightningCLI``'s keyword arguments.
     """
 
@@ -598,12 +225,8 @@ class MuonCLI(LightningCLI):
         kwargs.setdefault("dump_header", [DUMP_HEADER, f"lightning.pytorch=={pl.__version__}"])
         parser = self.parser_class(**kwargs)
         names = ", ".join(bundled_configs())
-        parser.add_argument(
-            "-c",
-            "--config",
-            action=BundledConfigFile,
-            help=f"A YAML or JSON file, a config string, or the name of a bundled config: {names}.",
-        )
+        help = f"A YAML or JSON file, a config string, or the name of a bundled config: {names}."
+        parser.add_argument("-c", "--config", action=BundledConfigFile, help=help)
         return parser
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
@@ -611,134 +234,55 @@ class MuonCLI(LightningCLI):
             parser.set_defaults({"model": {"class_path": self.default_model}})
 
     def before_instantiate_classes(self) -> None:
-        config = self.config[self.subcommand] if self.subcommand else self.config
-        # Every --config input, of the main parser and of the subcommand's.
-        inputs = [*(self.config.get("config") or []), *((config.get("config") or []) if self.subcommand else [])]
-        inputs = [os.fspath(path.absolute) for path in inputs if path]
-        self._note_bundled_model_arguments(config, inputs)
-        self._choose_data(config)
-        if isinstance(self.save_config_callback, type) and issubclass(
-            self.save_config_callback, MuonSaveConfigCallback
-        ):
-            self.save_config_kwargs["input_configs"] = inputs
-
-    def _note_bundled_model_arguments(self, config: Any, inputs: list[str]) -> None:
-        """One note when a bundled config's model arguments meet another model: which were kept, which dropped.
-
-        ``--config muon --model.class_path=my_pkg.MyModel``: jsonargparse keeps the arguments
-        of the demo model that ``MyModel`` takes too (its ``muon_config``, the demo's whole
-        optimizer and schedule) and drops the others, silently.
-        """
-        model = config.get("model")
-        if not model or not isinstance(model.get("class_path"), str):
-            return
-        bundled = {os.path.realpath(path): name for name, path in bundled_configs().items()}
-        for path in inputs:
-            name = bundled.get(os.path.realpath(path))
-            if name is None:
-                continue
-            section = (yaml.safe_load(Path(path).read_text()) or {}).get("model") or {}
-            demo, demo_args = section.get("class_path"), section.get("init_args") or {}
-            if not isinstance(demo, str) or _same_class(demo, model.class_path):
-                continue
-            init_args = model.get("init_args") or Namespace()
-            arguments = _fields(_try_import(model.class_path))
-            kept = [
-                key
-                for key, value in demo_args.items()
-                if key in init_args and _derived_from(value, init_args.get(key), arguments.get(key))
-            ]
-            if not kept:
-                continue
-            dropped = [key for key in demo_args if key not in init_args]
-            keys = ", ".join(f"model.init_args.{key}" for key in kept)
-            replace = " ".join(f"--model.init_args.{key}=null" for key in kept)
-            rank_zero_info(
-                f"--config {name} was written for {demo}; {model.class_path} keeps from it the trainer settings and "
-                f"{keys}" + (f", not {', '.join(dropped)}" if dropped else "") + f". {replace} starts from your "
-                "model's defaults instead"
-                + (
-                    " (then set single fields: --model.init_args.muon_config.matrix.init_args.lr=0.01)"
-                    if "muon_config" in kept
-                    else ""
-                )
-            )
-
-    def _choose_data(self, config: Any) -> None:
-        """Sets ``config.data`` by the rules in the module docstring, with a note when the demo data is involved."""
-        model_path = config.model.class_path if config.get("model") else None
-        data_path = config.data.class_path if config.get("data") else None
-        demo_data = _demo_data_of(model_path)
-        if demo_data is not None:
-            if data_path is None:
-                config.data = _class_spec(demo_data)
-            return
-        if not _is_demo_data(data_path):
-            return
-        hook = _LOADER_HOOK.get(self.subcommand or "fit", "train_dataloader")
-        model_class = _import_class(model_path)
-        own_loader = getattr(model_class, hook, None) is not getattr(pl.LightningModule, hook)
-        name = model_class.__qualname__
-        if own_loader:
-            config.data = None
-            rank_zero_info(
-                f"{name} defines {hook}: not using the demo datamodule {data_path} from the config"
-                " (pass --data=<class_path> to train on a datamodule)"
-            )
-        else:
-            rank_zero_info(
-                f"{name} has no {hook}: it trains on the demo datamodule {data_path}"
-                " from the config; pass --data=<class_path> for your own"
-            )
+        for hook in CONFIG_HOOKS:
+            hook(self)
+        callback, config = self.save_config_callback, self.config[self.subcommand] if self.subcommand else self.config
+        if isinstance(callback, type) and issubclass(callback, MuonSaveConfigCallback):
+            # Every --config input, of the main parser and of the subcommand's.
+            inputs = [*(self.config.get("config") or []), *((config.get("config") or []) if self.subcommand else [])]
+            self.save_config_kwargs["input_configs"] = [os.fspath(path.absolute) for path in inputs if path]
 
     def instantiate_classes(self) -> None:
+        """Makes each ``MuonConfig`` argument of the model before LightningCLI does, so that a bad setting is reported
+        by its own error (jsonargparse would keep only its words, deep in its own)."""
+        model = (self.config[self.subcommand] if self.subcommand else self.config).get("model")
+        init_args = (model.get("init_args") if model else None) or Namespace()
         try:
-            super().instantiate_classes()
+            for name, tp in ((model and _fields(_class_named(model.class_path))) or {}).items():
+                if MuonConfig in _alternatives(tp) and isinstance(init_args.get(name), Namespace):
+                    MuonConfig(**_made(init_args[name]))
         except ValueError as err:
-            # A bad value reaches us wrapped by jsonargparse once per nesting level (the
-            # MuonConfig in the module in the subcommand), each with its traceback; the
-            # innermost error is the one that names the field and the fix.
             if os.environ.get("JSONARGPARSE_DEBUG"):
                 raise
-            cause = _instantiation_cause(err)
-            if cause is None:
-                raise
-            sys.stderr.write(f"error: {cause}\n")
-            sys.stderr.write("tip: JSONARGPARSE_DEBUG=1 shows the traceback\n")
-            raise SystemExit(2) from None
+            _report(str(err), f"{self.parser.prog} {self.subcommand or ''}".rstrip())
+        super().instantiate_classes()
 
 
-CONVERT_CHECKPOINT = "convert-checkpoint"
-OPTIONS = "options"
-# The commands ``main`` runs itself, named in the top-level help beside LightningCLI's.
+# The commands ``main`` runs itself, with what the top-level help says of each beside LightningCLI's.
 OWN_COMMANDS = {
-    CONVERT_CHECKPOINT: "DIR OUT.ckpt: turn a muon_fsdp checkpoint folder into one file.",
-    OPTIONS: "[NAME]: every setting of an algorithm (muon, adamw, scion, ...) or a config section "
-    "(state, routing, schedule, megatron), with its doc; alone, the sections and algorithms.",
+    "convert-checkpoint": (checkpoints.main, "DIR OUT.ckpt: turn a muon_fsdp checkpoint folder into one file."),
+    "options": (
+        options.main,
+        "[NAME]: every setting of an algorithm (muon, adamw, scion, ...) or a config section "
+        "(state, routing, schedule, megatron), with its doc; alone, the sections and algorithms.",
+    ),
 }
 
 
-def main(args: list[str] | None = None, *, default_model: str | None = None, prog: str = PROG) -> MuonCLI | None:
-    """Run the CLI; ``args`` defaults to ``sys.argv[1:]``.
-
-    ``convert-checkpoint DIR OUT.ckpt`` converts a distributed checkpoint folder into one
-    file (``lightning_muon.checkpoints``) and returns None (a failure exits with code 2);
-    every other command line goes to LightningCLI (``fit``, ``validate``, ...).
+def main(
+    args: list[str] | None = None, *, default_model: str | None = None, prog: str = "python -m lightning_muon"
+) -> MuonCLI | None:
+    """Run the CLI; ``args`` defaults to ``sys.argv[1:]``. ``OWN_COMMANDS`` run here and return None (a failure exits
+    with its code); every other command line goes to LightningCLI (``fit``, ``validate``, ...).
 
     Args:
         args: The command line after the program name.
-        default_model: The model's class path when none is given; ``None``: ``--model`` is
-            required.
+        default_model: The model's class path when none is given; ``None``: ``--model`` is required.
         prog: The program name shown in help and errors.
     """
     argv = sys.argv[1:] if args is None else list(args)
-    if argv[:1] == [CONVERT_CHECKPOINT]:
-        code = checkpoints.main(argv[1:], prog=f"{prog} {CONVERT_CHECKPOINT}")
-        if code:
-            raise SystemExit(code)
-        return None
-    if argv[:1] == [OPTIONS]:
-        code = options.main(argv[1:], prog=f"{prog} {OPTIONS}")
+    if argv[:1] and argv[0] in OWN_COMMANDS:
+        code = OWN_COMMANDS[argv[0]][0](argv[1:], prog=f"{prog} {argv[0]}")
         if code:
             raise SystemExit(code)
         return None

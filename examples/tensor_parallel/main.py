@@ -23,7 +23,7 @@ from lightning.pytorch.cli import LightningCLI
 from torch import nn
 
 from lightning_muon import MuonConfig, MuonModuleMixin
-from lightning_muon.cli import MuonSaveConfigCallback
+from lightning_muon.callbacks import MuonSaveConfigCallback
 
 
 class Attention(nn.Module):
