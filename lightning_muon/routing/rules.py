@@ -52,6 +52,7 @@ import fnmatch
 import functools
 import importlib
 import re
+import sys
 import warnings
 from collections.abc import Callable, Iterable
 from dataclasses import dataclass, field
@@ -422,12 +423,17 @@ def _expert_rules(stacks: dict[int, ExpertStack]) -> list[Rule]:
 
 def unwrap_module(module: nn.Module) -> nn.Module:
     """The model inside wrappers that hold it whole: Fabric's ``_FabricModule`` (its ``.module``), DDP's
-    ``DistributedDataParallel`` (``.module``) and ``torch.compile``'s ``OptimizedModule`` (``._orig_mod``)."""
-    from lightning.fabric.wrappers import _FabricModule
+    ``DistributedDataParallel`` (``.module``) and ``torch.compile``'s ``OptimizedModule`` (``._orig_mod``).
+
+    Fabric's wrapper is looked for only where Fabric is loaded (no model can be wrapped by it
+    otherwise): routing a plain model imports no Lightning.
+    """
     from torch.nn.parallel import DistributedDataParallel
 
+    fabric = sys.modules.get("lightning.fabric.wrappers")
+    wrappers = (DistributedDataParallel,) if fabric is None else (fabric._FabricModule, DistributedDataParallel)
     while True:
-        if isinstance(module, (_FabricModule, DistributedDataParallel)):
+        if isinstance(module, wrappers):
             module = module.module
         elif type(module).__name__ == "OptimizedModule":  # torch._dynamo's, not imported for a name
             module = module._orig_mod

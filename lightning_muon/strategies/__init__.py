@@ -1,8 +1,9 @@
-"""Lightning strategies for Muon, for the Trainer and for Fabric, registered by name when the package is imported.
+"""Lightning strategies for Muon, for the Trainer and for Fabric, registered by name when this package is imported.
 
 The Trainer's (``MuonDDPStrategy``, ``MuonFSDPStrategy``) and Fabric's
 (``lightning_muon.fabric``) register under the same names, ``muon_ddp``, ``muon_ddp_spawn``
-and ``muon_fsdp``, each in its framework's registry.
+and ``muon_fsdp``, each in its framework's registry. ``import lightning_muon`` has this package
+imported as soon as Lightning is (``lightning_muon.registration``).
 """
 
 from lightning.fabric.strategies import STRATEGY_REGISTRY as FABRIC_STRATEGY_REGISTRY
