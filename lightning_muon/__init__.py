@@ -31,10 +31,10 @@ from lightning_muon.algorithms import (
 from lightning_muon.config import MuonConfig
 from lightning_muon.muon import Muon
 from lightning_muon.newton_schulz import COEFFICIENTS, orthogonalize
+from lightning_muon.registration import register_when_lightning_loads
 from lightning_muon.routing import ParamGroups, RoutingSettings, Rule, route_parameters
 from lightning_muon.schedules import LRSchedule, MomentumWarmup, MuonScheduler, ScheduleSettings
 from lightning_muon.state_settings import StateSettings
-from lightning_muon.registration import register_when_lightning_loads
 
 __all__ = [
     "AdamWSettings",
