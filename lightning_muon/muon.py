@@ -455,10 +455,11 @@ class Muon(Optimizer):
     def attach_sharding(self, sharding: Sharding | None) -> None:
         """Let ``sharding`` split this optimizer's Muon work across ranks (None: detach).
 
-        A ``Sharding`` calls this from its constructor; ``step`` then asks it which
-        parameters this rank steps (``owns``), what part of a gradient it holds
-        (``local_shard``), whether every rank's gradients are finite (``step_finite``), to
-        orthogonalize (``orthogonalize``) and to share the results (``gather_parameters``).
+        A ``Sharding`` calls this from its constructor; ``step`` then asks it what of each
+        parameter this rank steps (``stepped``), what part of a tensor it holds
+        (``local_shard``), to run per-matrix work where each matrix is whole (``map_whole``)
+        and to share the results (``gather_parameters``); the non-finite check agrees through
+        its process group (``FiniteChecks``).
         """
         if sharding is not None and sharding.optimizer is not self:
             raise ValueError("Muon.attach_sharding: the sharding was built for another optimizer")
