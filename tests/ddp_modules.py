@@ -1,14 +1,25 @@
-"""Module-level LightningModules for ``muon_ddp_spawn`` tests (spawned processes import them)."""
+"""Module-level LightningModules and rank workers for the ``muon_ddp`` tests (processes import them by name).
+
+``fit(spec, devices)`` is one ``Trainer.fit`` of ``TinyRegressor``; ``fit_worker`` runs it on a
+rank of ``dist_utils.run_distributed`` (processes made outside Lightning, forked from the
+suite's forkserver), the strategy made there from its spec: ``("muon_ddp", kwargs)`` for
+``MuonDDPStrategy(**kwargs)``, ``("ddp", kwargs)`` for Lightning's ``DDPStrategy``.
+"""
 
 from __future__ import annotations
 
+import os
+import warnings
 from pathlib import Path
+from typing import Any
 
 import lightning.pytorch as pl
 import torch
+from lightning.pytorch.plugins.precision import MixedPrecision
+from lightning.pytorch.strategies import DDPStrategy
 from torch import nn
 
-from lightning_muon import MuonConfig, MuonModuleMixin
+from lightning_muon import MuonConfig, MuonDDPStrategy, MuonModuleMixin
 
 
 class TinyRegressor(MuonModuleMixin, pl.LightningModule):
@@ -115,3 +126,44 @@ class TinyRegressor(MuonModuleMixin, pl.LightningModule):
 def dataset(n: int = 48) -> torch.utils.data.TensorDataset:
     g = torch.Generator().manual_seed(7)
     return torch.utils.data.TensorDataset(torch.randn(n, 8, generator=g), torch.randn(n, 4, generator=g))
+
+
+def fit(spec: dict[str, Any], devices: int) -> TinyRegressor:
+    """``Trainer.fit`` of a ``TinyRegressor(**spec["model"])`` with ``spec``'s strategy on ``devices``: each rank writes
+    its final parameters to ``spec["root"]/rank<r>.pt`` (``TinyRegressor.on_fit_end``)."""
+    root, strategy = Path(spec["root"]), spec["strategy"]
+    root.mkdir(parents=True, exist_ok=True)
+    if isinstance(strategy, tuple):  # made here, in the rank: a strategy holds process-local state
+        name, kwargs = strategy
+        strategy = MuonDDPStrategy(**kwargs) if name == "muon_ddp" else DDPStrategy(**kwargs)
+    precision, plugins = spec["precision"], []
+    if precision == "16-mixed":
+        # Lightning turns precision="16-mixed" into bf16 on CPU; fp16 autocast with a
+        # GradScaler on CPU needs the plugin spelled out.
+        plugins.append(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10)))
+        precision = None
+    model = TinyRegressor(dump_dir=str(root), **spec["model"])
+    trainer = pl.Trainer(
+        accelerator="cpu",
+        devices=devices,
+        strategy=strategy,
+        max_steps=spec["steps"],
+        logger=False,
+        enable_progress_bar=False,
+        enable_model_summary=False,
+        default_root_dir=root,
+        use_distributed_sampler=False,
+        precision=precision,
+        plugins=plugins or None,
+        **spec["trainer"],
+    )
+    with warnings.catch_warnings():
+        warnings.simplefilter("ignore")  # "the step was skipped", small-dataset notices
+        trainer.fit(model, ckpt_path=spec["ckpt_path"])
+    return model
+
+
+def fit_worker(rank: int, world_size: int, spec: dict[str, Any]) -> None:
+    """``fit`` on a rank made outside Lightning (``dist_utils.run_distributed``), which takes the process as given."""
+    os.environ.update(LOCAL_RANK=str(rank), NODE_RANK="0")
+    fit(spec, world_size)

@@ -1,20 +1,19 @@
 """MuonDDPStrategy end to end: registered names, same parameters as one process, complete checkpoints.
 
 Every multi-rank fit here is compared with one process that sees the same global batches
-(rank-strided loaders, ``use_distributed_sampler=False``). ``muon_ddp_spawn`` does not
-update the main process's model, so each rank writes its final parameters to a file.
+(rank-strided loaders, ``use_distributed_sampler=False``); each rank writes its final
+parameters to a file. The ranks are forked from the suite's forkserver (``dist_utils``: torch
+and Lightning imported once), the strategy made in each (``ddp_modules.fit_worker``); one test
+runs the registered ``muon_ddp_spawn``, whose Lightning launcher starts fresh interpreters.
 """
 
 from __future__ import annotations
 
-import warnings
-
-import lightning.pytorch as pl
 import pytest
 import torch
-from ddp_modules import TinyRegressor
-from lightning.pytorch.plugins.precision import MixedPrecision
-from lightning.pytorch.strategies import DDPStrategy, StrategyRegistry
+from ddp_modules import TinyRegressor, fit, fit_worker
+from dist_utils import run_distributed
+from lightning.pytorch.strategies import StrategyRegistry
 
 from lightning_muon import (
     AdamWSettings,
@@ -37,34 +36,17 @@ CONFIG = MuonConfig(matrix=MuonSettings(lr=0.02, weight_decay=0.1, ns_dtype="flo
 FP32 = dict(rtol=1e-5, atol=1e-6)
 
 
-def _fit(tmp_path, strategy, devices: int, steps: int = 6, ckpt_path=None, precision=None, **kwargs) -> TinyRegressor:
-    trainer_kwargs = {k: kwargs.pop(k) for k in ("gradient_clip_val", "accumulate_grad_batches") if k in kwargs}
-    tmp_path.mkdir(parents=True, exist_ok=True)
-    model = TinyRegressor(kwargs.pop("config", CONFIG), dump_dir=str(tmp_path), **kwargs)
-    plugins = []
-    if precision == "16-mixed":
-        # Lightning turns precision="16-mixed" into bf16 on CPU; fp16 autocast with a
-        # GradScaler on CPU needs the plugin spelled out.
-        plugins.append(MixedPrecision("16-mixed", "cpu", scaler=torch.amp.GradScaler("cpu", init_scale=2.0**10)))
-        precision = None
-    trainer = pl.Trainer(
-        accelerator="cpu",
-        devices=devices,
-        strategy=strategy,
-        max_steps=steps,
-        logger=False,
-        enable_progress_bar=False,
-        enable_model_summary=False,
-        default_root_dir=tmp_path,
-        use_distributed_sampler=False,
-        precision=precision,
-        plugins=plugins or None,
-        **trainer_kwargs,
-    )
-    with warnings.catch_warnings():
-        warnings.simplefilter("ignore")  # "the step was skipped", small-dataset notices
-        trainer.fit(model, ckpt_path=ckpt_path)
-    return model
+def _fit(tmp_path, strategy, devices: int, steps: int = 6, ckpt_path=None, precision=None, **kwargs) -> None:
+    """One fit; each rank writes ``tmp_path/rank<r>.pt``. ``strategy``: ``"auto"`` or ``"muon_ddp_spawn"`` (run here, by
+    Lightning's launcher), or a spec (``_spawn``, ``_plain_ddp``) for ranks of ``run_distributed``."""
+    trainer = {k: kwargs.pop(k) for k in ("gradient_clip_val", "accumulate_grad_batches") if k in kwargs}
+    model = {"muon_config": kwargs.pop("config", CONFIG), **kwargs}
+    spec = dict(root=tmp_path, strategy=strategy, steps=steps, ckpt_path=ckpt_path, precision=precision)
+    spec.update(model=model, trainer=trainer)
+    if isinstance(strategy, tuple):
+        run_distributed(fit_worker, devices, spec)
+    else:
+        fit(spec, devices)
 
 
 def _ranks(tmp_path, world: int) -> list[dict]:
@@ -80,8 +62,14 @@ def _assert_all_equal(results: list[dict], reference: dict, **tol) -> None:
             )
 
 
-def _spawn(**kwargs) -> MuonDDPStrategy:
-    return MuonDDPStrategy(start_method="spawn", **kwargs)
+def _spawn(**kwargs) -> tuple[str, dict]:
+    """``MuonDDPStrategy(**kwargs)`` on ranks of ``run_distributed``."""
+    return ("muon_ddp", kwargs)
+
+
+def _plain_ddp(**kwargs) -> tuple[str, dict]:
+    """Lightning's ``DDPStrategy(**kwargs)`` on ranks of ``run_distributed``."""
+    return ("ddp", kwargs)
 
 
 def test_registered_names():
@@ -95,8 +83,10 @@ def test_registered_names():
 @pytest.mark.parametrize("clip", [None, 0.05])
 def test_two_ranks_equal_one_process_and_save_every_momentum(tmp_path, clip):
     _fit(tmp_path / "one", "auto", 1, gradient_clip_val=clip)
-    # Two ranks of batch 4 see the same 8 samples per step as one process of batch 8.
-    _fit(tmp_path / "two", "muon_ddp_spawn", 2, gradient_clip_val=clip)
+    # Two ranks of batch 4 see the same 8 samples per step as one process of batch 8. The registered name, whose
+    # launcher spawns fresh interpreters, runs once; the other ranks fork from the suite's forkserver.
+    strategy = "muon_ddp_spawn" if clip is None else _spawn()
+    _fit(tmp_path / "two", strategy, 2, gradient_clip_val=clip)
     _assert_all_equal(_ranks(tmp_path / "two", 2), _ranks(tmp_path / "one", 1)[0], **FP32)
     # Rank 0's checkpoint holds the momentum of every matrix, rank 1's too.
     state = torch.load(next((tmp_path / "two").rglob("*.ckpt")), weights_only=True)["optimizer_states"][0]
@@ -109,7 +99,7 @@ def test_muon_hyperball_matrices_are_sharded_and_equal_one_process(tmp_path):
     """Hidden matrices on MuonHyperball (the matrix section): sharded as Muon's are; owners take the norms."""
     config = MuonConfig(matrix=MuonHyperballSettings(**CONFIG.matrix.asdict()), scalar=CONFIG.scalar)
     _fit(tmp_path / "one", "auto", 1, config=config, gradient_clip_val=0.05)
-    _fit(tmp_path / "two", "muon_ddp_spawn", 2, config=config, gradient_clip_val=0.05)
+    _fit(tmp_path / "two", _spawn(), 2, config=config, gradient_clip_val=0.05)
     ranks = _ranks(tmp_path / "two", 2)
     _assert_all_equal(ranks, _ranks(tmp_path / "one", 1)[0], **FP32)
     # The matrices went through the sharding (to owners and back), not through DDP's all-reduce.
@@ -142,7 +132,7 @@ def _reference(tmp_path, precision, **kwargs) -> dict:
     if precision is None:
         _fit(tmp_path / "one", "auto", 1, precision=precision, **kwargs)
         return _ranks(tmp_path / "one", 1)[0]
-    plain = DDPStrategy(start_method="spawn", find_unused_parameters=kwargs.get("branch", False))
+    plain = _plain_ddp(find_unused_parameters=kwargs.get("branch", False))
     _fit(tmp_path / "plain", plain, 2, precision=precision, **kwargs)
     return _ranks(tmp_path / "plain", 2)[0]
 
@@ -172,7 +162,7 @@ def test_overflow_on_one_rank_skips_the_step_everywhere(tmp_path, precision):
     # gradients during backward, so an inf injected after it would stay on one rank).
     kwargs = dict(config=config, inject_inf=(-1, 2))
     reference = _reference(tmp_path, precision, **kwargs)
-    _fit(tmp_path / "two", "muon_ddp_spawn", 2, precision=precision, **{**kwargs, "inject_inf": (1, 2)})
+    _fit(tmp_path / "two", _spawn(), 2, precision=precision, **{**kwargs, "inject_inf": (1, 2)})
     results = _ranks(tmp_path / "two", 2)
     _assert_all_equal(results, reference, **FP32)
     _assert_all_equal(results[1:], results[0], rtol=0, atol=0)
@@ -193,7 +183,7 @@ def test_expert_stacks_are_split_by_experts_over_the_ranks(tmp_path, clip):
     first stack and 3-4 of the second, rank 1 the rest.
     """
     _fit(tmp_path / "one", "auto", 1, gradient_clip_val=clip, experts=5)
-    _fit(tmp_path / "two", "muon_ddp_spawn", 2, gradient_clip_val=clip, experts=5)
+    _fit(tmp_path / "two", _spawn(), 2, gradient_clip_val=clip, experts=5)
     ranks = _ranks(tmp_path / "two", 2)
     _assert_all_equal(ranks, _ranks(tmp_path / "one", 1)[0], **FP32)
     assert [r["stepped"] for r in ranks] == [
@@ -216,7 +206,7 @@ def test_checkpoint_from_two_ranks_resumes_on_one_and_three(tmp_path):
     # the checkpoint and split again at 1 and 3 ranks): one run covers both kinds.
     kwargs = dict(global_batch=6, samples=6, experts=5)
     _fit(tmp_path / "full", "auto", 1, steps=6, **kwargs)
-    _fit(tmp_path / "two", "muon_ddp_spawn", 2, steps=3, **kwargs)
+    _fit(tmp_path / "two", _spawn(), 2, steps=3, **kwargs)
     ckpt = next((tmp_path / "two").rglob("*.ckpt"))
     _fit(tmp_path / "one", "auto", 1, steps=6, ckpt_path=ckpt, **kwargs)
     _fit(tmp_path / "three", _spawn(), 3, steps=6, ckpt_path=ckpt, **kwargs)
@@ -231,7 +221,7 @@ def test_schedule_free_groups_under_two_ranks_equal_one_process(tmp_path):
     # mode; it must come out in eval mode with the averaged weights on both strategies.
     config = MuonConfig(matrix=CONFIG.matrix, scalar=ScheduleFreeSettings(lr=1e-2), schedule=ScheduleSettings(warmup=2))
     _fit(tmp_path / "one", "auto", 1, config=config)
-    _fit(tmp_path / "two", "muon_ddp_spawn", 2, config=config)
+    _fit(tmp_path / "two", _spawn(), 2, config=config)
     reference = _ranks(tmp_path / "one", 1)[0]
     _assert_all_equal(_ranks(tmp_path / "two", 2), reference, **FP32)
     one = torch.load(next((tmp_path / "one").rglob("*.ckpt")), weights_only=True)
