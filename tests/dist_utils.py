@@ -13,6 +13,7 @@ import os
 import socket
 import sys
 import tempfile
+import time
 from collections.abc import Callable
 from pathlib import Path
 from typing import Any
@@ -25,21 +26,30 @@ import torch.multiprocessing as mp
 PRELOAD = ["torch", "torch.distributed", "lightning.pytorch", "lightning_muon"]
 
 
-def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any) -> list[Any]:
+def run_distributed(fn: Callable[..., Any], world_size: int, *args: Any, timeout: float | None = None) -> list[Any]:
     """``[fn(rank, world_size, *args) for rank in ranks]``, each in its own gloo process.
 
     One torch thread per rank: ``world_size`` processes share the CI's 2 cores. ``fn``
     must be importable (module level); a failure on any rank raises here, after every
-    process ended. The results travel through files in a temporary folder removed afterwards.
+    process ended. With ``timeout`` (seconds), ranks still running then are killed and
+    ``TimeoutError`` names them: a test of "no rank hangs" fails instead of hanging. The
+    results travel through files in a temporary folder removed afterwards.
     """
     with tempfile.TemporaryDirectory() as out_dir:
-        mp.start_processes(
+        context = mp.start_processes(
             _rank,
             args=(world_size, _free_port(), out_dir, fn, args, dict(os.environ)),
             nprocs=world_size,
-            join=True,
+            join=False,
             start_method=_start_method(),
         )
+        deadline = None if timeout is None else time.monotonic() + timeout
+        while not context.join(None if deadline is None else max(0.0, deadline - time.monotonic())):
+            if deadline is not None and time.monotonic() >= deadline:
+                hung = [r for r, p in enumerate(context.processes) if p.is_alive()]
+                for process in context.processes:
+                    process.kill()
+                raise TimeoutError(f"rank(s) {hung} of {world_size} still running after {timeout} s")
         return [torch.load(Path(out_dir) / f"rank{r}.pt", weights_only=False) for r in range(world_size)]
 
 

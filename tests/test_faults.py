@@ -2,9 +2,6 @@
 
 from __future__ import annotations
 
-import json
-import subprocess
-import sys
 import warnings
 from pathlib import Path
 
@@ -12,6 +9,8 @@ import lightning.pytorch as pl
 import pytest
 import torch
 from ddp_modules import TinyRegressor
+from dist_utils import run_distributed
+from fault_modules import fault_worker
 from torch import nn
 
 from lightning_muon import (
@@ -27,7 +26,6 @@ from lightning_muon import (
 )
 from lightning_muon.strategies._checkpoint import CheckpointReadError, explained_reads
 
-ROOT = Path(__file__).resolve().parents[1]
 pytestmark = pytest.mark.policy_free  # see conftest.py
 
 
@@ -35,40 +33,20 @@ pytestmark = pytest.mark.policy_free  # see conftest.py
 @pytest.mark.slow
 @pytest.mark.parametrize("strategy", ["muon_ddp", "muon_fsdp"])
 @pytest.mark.parametrize("mode", ["skip", "raise"])
-def test_nan_in_a_replicated_gradient_on_one_rank_every_rank_returns(tmp_path, strategy, mode):
+def test_nan_in_a_replicated_gradient_on_one_rank_every_rank_returns(strategy, mode):
     """Rank 1 alone sees a NaN in head.bias (AdamW): both ranks skip, or both raise naming it; none hangs."""
-    proc = subprocess.run(
-        [
-            "timeout",
-            "-k",
-            "15",
-            "150",
-            sys.executable,
-            str(ROOT / "tests" / "fault_script.py"),
-            strategy,
-            mode,
-            str(tmp_path),
-        ],
-        cwd=ROOT,
-        capture_output=True,
-        text=True,
-    )
-    # Under the timeout a hung rank never writes its file (Lightning turns timeout's SIGTERM
-    # into its own exit code, so the return code alone does not tell).
-    missing = [r for r in range(2) if not (tmp_path / f"{mode}-rank{r}.json").exists()]
-    assert not missing, f"rank(s) {missing} never returned (rc {proc.returncode}):\n{proc.stderr[-3000:]}"
-    results = [json.loads((tmp_path / f"{mode}-rank{r}.json").read_text()) for r in range(2)]
+    # A hung rank is killed at the timeout and fails the test, naming it.
+    results = run_distributed(fault_worker, 2, strategy, mode, timeout=150)
     bias = "head.bias" if strategy == "muon_ddp" else "net.head.bias"
     if mode == "skip":
-        assert proc.returncode == 0, proc.stderr[-3000:]
-        assert all(r["ok"] and r["global_step"] == 4 for r in results)
+        assert all(r["ok"] and r["global_step"] == 4 for r in results), results
         assert results[1]["skipped"]  # the rank with the NaN warns; the other skips silently or alike
         assert results[0]["params"] == results[1]["params"]  # the replicas stayed identical
         assert all(v == v for values in results[0]["params"].values() for v in values)  # no NaN got in
     else:
         assert not results[0]["ok"] and not results[1]["ok"]
         assert f"'{bias}'" in results[1]["error"] and "on another rank" not in results[1]["error"]
-        # The other rank's error names the parameter too (spawn shows only one failure).
+        # The other rank's error names the parameter too.
         assert "on another rank" in results[0]["error"] and f"'{bias}'" in results[0]["error"]
 
 
