@@ -1,4 +1,4 @@
-"""``python -m lightning_muon fit --config <name>`` (or ``configs/<name>.yaml``) in a subprocess, a few steps."""
+"""``python -m lightning_muon fit --config <name>`` (or ``configs/<name>.yaml``), each run its own process."""
 
 from __future__ import annotations
 
@@ -13,6 +13,7 @@ from pathlib import Path
 import pytest
 import torch
 import yaml
+from dist_utils import run_main
 
 from lightning_muon import (
     AdamWSettings,
@@ -51,8 +52,15 @@ TINY_CHARGPT = [
 ]
 
 
-def _cli(cwd: Path, *args: str, pythonpath: Path | None = None) -> subprocess.CompletedProcess[str]:
-    """``python -m lightning_muon *args`` run in ``cwd``, ``pythonpath`` put first on the path."""
+def _cli(cwd: Path, *args: str, pythonpath: Path | None = None, fresh: bool = False) -> subprocess.CompletedProcess:
+    """``python -m lightning_muon *args`` run in ``cwd``, ``pythonpath`` put first on the path.
+
+    Forked from the suite's server, which has torch and Lightning imported already
+    (``dist_utils.run_main``); ``fresh=True`` starts the interpreter itself, as a user's
+    command line does.
+    """
+    if not fresh:
+        return run_main("lightning_muon", list(args), cwd, pythonpath=pythonpath)
     env = dict(os.environ)
     if pythonpath is not None:
         env["PYTHONPATH"] = os.pathsep.join(filter(None, [str(pythonpath), env.get("PYTHONPATH")]))
@@ -365,7 +373,7 @@ def test_cli_bad_input_is_reported_first_without_tracebacks(capsys, monkeypatch,
 
 def test_cli_bad_input_from_the_command_line_exits_2_naming_it_without_a_traceback(tmp_path):
     bad = "--model.init_args.muon_config.matrix.init_args.momentum=1.5"
-    proc = _cli(tmp_path, "fit", "--config", str(ROOT / "configs" / "muon.yaml"), *QUICK, bad)
+    proc = _cli(tmp_path, "fit", "--config", str(ROOT / "configs" / "muon.yaml"), *QUICK, bad, fresh=True)
     assert proc.returncode == 2, proc.stderr[-4000:]
     expect = "error: MuonSettings.momentum must be a finite number in [0.0, 1.0), got 1.5"
     assert expect in proc.stderr.splitlines()[:3], proc.stderr[-4000:]  # after Lightning's "Seed set to 0" at most
@@ -516,7 +524,7 @@ def test_options_of_an_unknown_name_exits_2_naming_the_known_ones(capsys):
 
 def test_options_and_help_from_the_command_line(tmp_path):
     # ``options`` itself is tested in this process above; here the command line's help names it.
-    proc = _cli(tmp_path, "--help")
+    proc = _cli(tmp_path, "--help", fresh=True)
     assert proc.returncode == 0, proc.stderr[-4000:]
     commands = proc.stdout.split("\nmore commands:\n", 1)[1].splitlines()
     assert [line.split(":")[0] for line in commands] == [
