@@ -1,4 +1,9 @@
-"""Every example runs: each script is started as a user would, with a short budget."""
+"""Every example runs: each script is started as a user would, with a short budget.
+
+Each runs as ``__main__`` in a process of its own, with its own working directory and
+arguments, forked from the suite's server that imported torch and Lightning already
+(``dist_utils.run_main``); the README's main job starts a fresh interpreter, as its command does.
+"""
 
 from __future__ import annotations
 
@@ -11,13 +16,17 @@ from pathlib import Path
 
 import pytest
 import yaml
+from dist_utils import run_main
 
 ROOT = Path(__file__).resolve().parents[1]
 
 
-def _run(*args: str, cwd: Path) -> str:
+def _run(*args: str, cwd: Path, fresh: bool = False) -> str:
     env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    if fresh:
+        proc = subprocess.run([sys.executable, *args], cwd=cwd, env=env, capture_output=True, text=True, timeout=600)
+    else:
+        proc = run_main(args[0], list(args[1:]), cwd, timeout=600)
     assert proc.returncode == 0, proc.stdout[-3000:] + proc.stderr[-3000:]
     return proc.stdout
 
@@ -74,6 +83,7 @@ def test_main_job_writes_report_plot_and_json(tmp_path):
         "--out",
         str(out),
         cwd=tmp_path,
+        fresh=True,
     )
     assert f"report: {out / 'report.md'}" in stdout and f"plot:   {out / 'loss_curves.png'}" in stdout
     assert (out / "loss_curves.png").read_bytes()[:8] == b"\x89PNG\r\n\x1a\n"
@@ -117,8 +127,7 @@ def test_tensor_parallel_example_runs_on_four_processes(tmp_path):
         "--trainer.enable_progress_bar=false",
         f"--trainer.default_root_dir={tmp_path}",
     ]
-    env = {**os.environ, "PYTHONWARNINGS": "ignore"}
-    proc = subprocess.run([sys.executable, *args], cwd=tmp_path, env=env, capture_output=True, text=True, timeout=600)
+    proc = run_main(args[0], args[1:], tmp_path, timeout=600)
     output = proc.stdout + proc.stderr
     assert proc.returncode == 0, output[-4000:]
     assert "Muon on a 2 x 2 (data x tensor) mesh, tp_mode='distributed'" in output
