@@ -16,6 +16,7 @@ from torch import Tensor
 from torch.optim import Optimizer
 from torch.utils.hooks import RemovableHandle
 
+from lightning_muon._warn import warn_user
 from lightning_muon.algorithms import (
     AdamWSettings,
     Algorithm,
@@ -201,6 +202,7 @@ class Muon(Optimizer):
         self.finite_checks = FiniteChecks(self)
         """The non-finite gradient checks: ``precheck()`` before clipping, ``label(i, j)`` of a parameter."""
         self._defaults: dict[str, dict[str, Any]] = {}  # per algorithm, made on first use
+        self._lrs_differ = False  # the groups have had different lrs, and no one lr was set on all yet
         self._ctx = StepContext()
         self._ctx.update_hooks = self._update_hooks
 
@@ -225,6 +227,7 @@ class Muon(Optimizer):
         super().__setstate__(state)
         if not runtime:  # a copy or an unpickled optimizer: made without __init__
             self._attach_runtime(lost_sharding)
+            self._lrs_differ = _several_lrs(self.param_groups)
 
     # ------------------------------------------------------------------ param groups
 
@@ -301,6 +304,7 @@ class Muon(Optimizer):
                 raise named_as_written(err, aliased, where) from None
         algorithm.init_group(group, params, where)
         super().add_param_group(group)
+        self._lrs_differ = self._lrs_differ or _several_lrs(self.param_groups)
 
     def load_state_dict(self, state_dict: dict[str, Any]) -> None:
         """``Optimizer.load_state_dict``, after checking the checkpoint was saved with this routing.
@@ -344,6 +348,9 @@ class Muon(Optimizer):
         if closure is not None:
             with torch.enable_grad():
                 loss = closure()
+        if self._lrs_differ and not torch.compiler.is_compiling() and not _several_lrs(self.param_groups):
+            self._lrs_differ = False  # once
+            warn_user(_ONE_LR)
         sharding = self._sharding
         work = [(group, *_collect(sharding, i, group)) for i, group in enumerate(self.param_groups)]
         compiled = torch.compiler.is_compiling() and checks.can_mask(work)
@@ -657,3 +664,17 @@ def _warn_lost_sharding(kind: str) -> None:
             RuntimeWarning,
             stacklevel=3,
         )
+
+
+_ONE_LR = (
+    "Muon: every param group steps at one lr now, though their lrs differed (Muon's and AdamW's are "
+    "apart by design): a scheduler or tool set one lr for all of them, as OneCycleLR and CyclicLR do given one "
+    "max_lr, SWALR given one swa_lr, and Lightning's lr_find and StochasticWeightAveraging do without "
+    'MuonModuleMixin. Give each group its own: max_lr=[g["lr"] for g in optimizer.param_groups] (swa_lr '
+    "likewise); under Lightning, MuonModuleMixin spreads one lr over the groups by their configured ratios"
+)
+
+
+def _several_lrs(groups: list[dict[str, Any]]) -> bool:
+    """Whether the groups' lrs (floats; a Tensor lr is left out, read only on the device) are not all one."""
+    return len({g["lr"] for g in groups if not isinstance(g["lr"], Tensor)}) > 1

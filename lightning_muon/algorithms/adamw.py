@@ -26,7 +26,7 @@ from lightning_muon.algorithms.families import AdamLikeSettings
 from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS, state_dtype
 from lightning_muon.functional import is_narrower, store_widened, widened, widening_chunks
 
-__all__ = ["ADAMW", "AdamW", "AdamWSettings", "adamw_", "momentum_readout"]
+__all__ = ["ADAMW", "AdamW", "AdamWSettings", "adamw_", "momentum_readout", "sync_beta1"]
 
 
 def adamw_(
@@ -112,6 +112,25 @@ def momentum_readout(group: dict[str, Any]) -> None:
     group["momentum"] = group["betas"][0]
 
 
+def sync_beta1(ctx: StepContext, group: dict[str, Any]) -> None:
+    """``group["betas"][0]`` and its copy ``group["momentum"]`` made one value again before a step.
+
+    The one changed since the group's last step wins: ``momentum`` where a scheduler that
+    cycles momentum wrote it (OneCycleLR, CyclicLR: the optimizer's defaults name
+    ``momentum``, so they write that key in every group, where torch.optim.AdamW's get
+    ``betas``), ``betas`` where a user or a tool set them. With no step recorded (the first,
+    or the first after ``load_state_dict``), a ``momentum`` unlike beta1 was written since
+    the group was made (``momentum_readout`` made them equal).
+    """
+    beta1, beta2 = group["betas"]
+    momentum = group.get("momentum", beta1)
+    if momentum != beta1 and momentum != ctx.beta1s.get(id(group)):
+        group["betas"] = (momentum, beta2)
+    else:
+        group["momentum"] = beta1
+    ctx.beta1s[id(group)] = group["momentum"]
+
+
 def adam_moments(ctx: StepContext, params: list[Tensor]) -> tuple[list[Tensor], list[Tensor], list[Tensor]]:
     """Adam's state of ``params``: ``(exp_avg, exp_avg_sq, step)`` lists, made zero on a parameter's first step
     (the moments in ``exp_avg_dtype`` and ``exp_avg_sq_dtype``, ``state_dtypes``)."""
@@ -149,8 +168,8 @@ class AdamW(Algorithm):
 
     def step_group(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
         """Step ``params`` with ``grads``; of ``ctx`` only ``state`` and ``config`` (the state dtypes) are used."""
+        sync_beta1(ctx, group)  # a scheduler or a user may have moved beta1 since
         beta1, beta2 = group["betas"]
-        momentum_readout(group)  # betas may have been changed since (a scheduler, a user)
         self.rule(
             params,
             grads,

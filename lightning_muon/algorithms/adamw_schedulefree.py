@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.optim import Optimizer
 
-from lightning_muon.algorithms.adamw import momentum_readout
+from lightning_muon.algorithms.adamw import momentum_readout, sync_beta1
 from lightning_muon.algorithms.base import Algorithm, StepContext, group_lr, register_algorithm
 from lightning_muon.algorithms.families import AdamLikeSettings, checked_betas
 from lightning_muon.algorithms.settings import setting
@@ -125,6 +125,8 @@ class ScheduleFreeAdamW(Algorithm):
         # still counts the step (its k and weight_sum advance). A Tensor lr is lent as its value:
         # the package's arithmetic would run in the Tensor's dtype (and keep lr_max as a Tensor),
         # not in the Python floats of a float lr; the Tensor goes back for a scheduler to fill.
+        for group in groups:
+            sync_beta1(ctx, group)  # a scheduler or a user may have moved beta1 since
         tensor_lrs = {i: g["lr"] for i, g in enumerate(groups) if isinstance(g["lr"], Tensor)}
         for i in tensor_lrs:
             groups[i]["lr"] = group_lr(groups[i])

@@ -73,7 +73,7 @@ class StepContext:
     caches by it (Schedule-Free keeps its inner optimizer so).
     """
 
-    __slots__ = ("state", "state_settings", "sharding", "update_hooks", "caps", "groups", "__weakref__")
+    __slots__ = ("state", "state_settings", "sharding", "update_hooks", "caps", "groups", "beta1s", "__weakref__")
 
     def __init__(self) -> None:
         self.state: Any = None
@@ -88,6 +88,8 @@ class StepContext:
         """The step's memory cap in bytes per device type (``step_memory.step_memory_bytes``), resolved once."""
         self.groups: list[dict[str, Any]] = []
         """The optimizer's param groups (for messages: ``group_index``)."""
+        self.beta1s: dict[int, float] = {}
+        """Each Adam-like group's beta1 at its last step, by ``id(group)`` (``adamw.sync_beta1``)."""
 
     def local_shard(self, t: Tensor) -> Tensor:
         """This rank's part of ``t`` (a DTensor's local shard under a sharding); ``t`` itself in one process."""

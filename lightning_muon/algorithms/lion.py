@@ -20,7 +20,7 @@ from typing import Any
 import torch
 from torch import Tensor
 
-from lightning_muon.algorithms.adamw import momentum_readout
+from lightning_muon.algorithms.adamw import momentum_readout, sync_beta1
 from lightning_muon.algorithms.base import Algorithm, StepContext, group_lr, register_algorithm
 from lightning_muon.algorithms.families import Betas, ScalarSettings, checked_betas
 from lightning_muon.algorithms.state_dtypes import STATE_SETTINGS, state_dtype
@@ -93,8 +93,8 @@ class Lion(Algorithm):
     def step_group(self, ctx: StepContext, group: dict, params: list[Tensor], grads: list[Tensor]) -> None:
         state = ctx.state
         self.init_state(ctx, group, params)
+        sync_beta1(ctx, group)  # a scheduler or a user may have moved beta1 since
         beta1, beta2 = group["betas"]
-        momentum_readout(group)
         lion_(
             params,
             grads,

@@ -22,7 +22,7 @@ import torch
 from torch import Tensor
 from torch.distributed.tensor import DTensor, distribute_tensor
 
-from lightning_muon.algorithms.adamw import momentum_readout
+from lightning_muon.algorithms.adamw import momentum_readout, sync_beta1
 from lightning_muon.algorithms.base import Algorithm, StepContext, group_lr, register_algorithm
 from lightning_muon.algorithms.families import (
     UNSIGNED_DECAY_METHODS,
@@ -178,7 +178,7 @@ class SOAP(Algorithm):
         and each rank keeps its rows of the new state and applies its rows of the update.
         Under DDP an owner steps its whole matrices here and the sharding sends them on.
         """
-        momentum_readout(group)  # betas may have been changed since (a scheduler, a user)
+        sync_beta1(ctx, group)  # a scheduler or a user may have moved beta1 since
         sharded = [i for i, p in enumerate(params) if isinstance(p, DTensor)]
         if sharded:
             if ctx.sharding is None:

@@ -6,7 +6,7 @@ the optimizer when it unfreezes it: weights and biases together, with one lr.
 ``split_added_group`` routes those tensors and returns one param group per route:
 
 - **Routes.** A ``Router`` says where each tensor goes. Without one (a ``Muon`` built by
-  hand) it is the flat rule of ``param_groups.as_groups``: two or more dims to Muon, the
+  hand) it is the flat rule of ``param_groups.flat_groups``: two or more dims to Muon, the
   rest to AdamW. ``configure_muon_optimizers`` attaches a ``ModuleRouter``: the config's
   routing rules over the module, the rules the optimizer's first groups came from
   (embeddings and head to the scalar algorithm, biases and norms to it without weight
@@ -46,7 +46,7 @@ from torch import Tensor, nn
 
 from lightning_muon._warn import warn_user
 from lightning_muon.algorithms import algorithm_names
-from lightning_muon.routing.param_groups import as_groups, option_names, params_of_pairs
+from lightning_muon.routing.param_groups import flat_groups, option_names, params_of_pairs
 
 __all__ = ["ModuleRouter", "Router", "flat_router", "split_added_group"]
 
@@ -59,9 +59,9 @@ _OWN_KEYS = ("params", "param_names", "name", "algorithm", "lr", "initial_lr")
 
 
 def flat_router(params: list[Tensor], names: list[str | None]) -> list[dict[str, Any]]:
-    """The flat rule of ``as_groups``: two or more dims to a ``"muon"`` group, the rest to ``"adamw"``."""
+    """The flat rule (``param_groups.flat_groups``): two or more dims to a ``"muon"`` group, the rest to ``"adamw"``."""
     name_of = {id(p): n for p, n in zip(params, names)}
-    routes = as_groups(params)
+    routes = flat_groups([(None, p) for p in params])
     for route in routes:
         route["param_names"] = [name_of[id(p)] for p in route["params"]]
     return routes

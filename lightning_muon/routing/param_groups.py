@@ -1,7 +1,12 @@
 """Param groups for ``Muon``: from what a user passes, to groups of one algorithm each.
 
-A flat list of tensors (or ``(name, tensor)`` pairs) is split by rule: tensors with two or
-more dims to a ``"muon"`` group, the rest to an ``"adamw"`` group. A dict without
+``(name, tensor)`` pairs (``model.named_parameters()``) are routed by the default rules from
+what the names show (``rules.route_names``): biases and other vectors to ``"adamw_no_decay"``,
+embeddings and the output head to ``"adamw"``, every other matrix to ``"muon"``, as the
+module's own routing does. A flat list of tensors without names takes the flat rule: tensors
+with two or more dims to a ``"muon"`` group, the rest to an ``"adamw"`` group; a whole
+model's (matrices and vectors) gets a warning that its embeddings and head go to Muon, and
+the lines that route them. A dict without
 ``"algorithm"`` gets ``"muon"`` if all its tensors are matrices, ``"adamw"`` if none is,
 and an error otherwise. An ``"algorithm"`` must be registered (``algorithms``); what a
 group of it may set is its algorithm's ``option_names``, and the algorithm checks the rest
@@ -13,11 +18,22 @@ from __future__ import annotations
 from collections.abc import Iterable
 from typing import Any
 
+import torch
 from torch import Tensor
 
+from lightning_muon._warn import warn_user
 from lightning_muon.algorithms import Algorithm, get_algorithm
+from lightning_muon.routing.rules import route_names
 
-__all__ = ["algorithm_of", "as_groups", "group_label", "option_names", "params_of_pairs", "split_named_params"]
+__all__ = [
+    "algorithm_of",
+    "as_groups",
+    "flat_groups",
+    "group_label",
+    "option_names",
+    "params_of_pairs",
+    "split_named_params",
+]
 
 
 # torch.optim's rule: a name for every parameter or for none (the names check a checkpoint's routing).
@@ -70,9 +86,12 @@ def algorithm_of(group: dict[str, Any], where: str) -> Algorithm:
 
 
 def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
-    """Param-group dicts from tensors, (name, tensor) pairs or dicts."""
-    if isinstance(params, Tensor):
-        raise TypeError("params must be an iterable of tensors or dicts, got a single Tensor")
+    """Param-group dicts from tensors, (name, tensor) pairs or dicts (the module docstring)."""
+    if isinstance(params, Tensor):  # torch.optim's words
+        raise TypeError(
+            "params argument given to the optimizer should be an iterable of Tensors or dicts, but got "
+            + torch.typename(params)
+        )
     items = list(params)
     if not items:
         raise ValueError("params is empty: Muon got no parameters to optimize")
@@ -84,6 +103,21 @@ def as_groups(params: Iterable[Any]) -> list[dict[str, Any]]:
     for name, p in named:
         if not isinstance(p, Tensor):
             raise TypeError(f"params must hold tensors, got {type(p).__name__} for {name or 'an item'}")
+    if named[0][0] is not None:
+        return route_names(named)
+    matrices = sum(p.ndim >= 2 for _, p in named)
+    if 0 < matrices < len(named):  # a whole model's, as model.parameters() gives them
+        warn_user(
+            f"Muon: {matrices} matrices given without names all go to Muon, embeddings and output heads included "
+            "(Muon is for hidden layers). Muon(model.named_parameters()) routes those to AdamW by name, "
+            "Muon(route_parameters(model)) by the model's layers too; with LightningCLI's --optimizer, "
+            "which passes model.parameters(), give the model MuonModuleMixin and set its muon_config instead"
+        )
+    return flat_groups(named)
+
+
+def flat_groups(named: list[tuple[str | None, Tensor]]) -> list[dict[str, Any]]:
+    """The flat rule: two or more dims to a ``"muon"`` group, the rest to ``"adamw"`` (names kept where all are)."""
     groups = []
     for algorithm, keep in (("muon", lambda p: p.ndim >= 2), ("adamw", lambda p: p.ndim < 2)):
         chosen = [(n, p) for n, p in named if keep(p)]

@@ -7,7 +7,9 @@ then the default rules:
 1. ``vectors``: 1-D and 0-D parameters (biases, norms, scalars) -> AdamW without
    weight decay (group ``adamw_no_decay``); ``biases``: every parameter named as a bias
    (``bias``, ``*_bias``: GPT-OSS's 2-D expert bias stacks), whatever its ndim, likewise.
-2. ``embedding``: weights of ``nn.Embedding`` modules, and anything tied to one
+2. ``embedding``: weights of ``nn.Embedding`` modules, and anything tied to one, and the
+   trainable tensors of a layer wrapping one as its ``base_layer`` (peft's LoRA on an
+   embedding, ``lora_embedding_A``/``B``; its trainable tokens, ``trainable_tokens_delta``)
    -> AdamW (group ``adamw``).
 3. ``output_head``: the head -> AdamW (group ``adamw``): the parameters of
    ``module.get_output_embeddings()`` when the module has it, else a Linear whose
@@ -41,7 +43,14 @@ any registered name, or the import path of an ``Algorithm`` (registered on first
 
 Frozen parameters (``requires_grad=False``) are left out. Within a rule, several
 values of one matcher are alternatives (any glob may match); different matchers
-must all match (a name glob AND a module type).
+must all match (a name glob AND a module type). A name glob or regex also matches a name
+written without the ``_orig_mod.`` that ``torch.compile`` puts in the names of a compiled
+submodule's parameters.
+
+``route_names(pairs)`` routes ``(name, tensor)`` pairs without their module (``Muon(model.named_parameters())``)
+by the same default rules, from what the names show: embeddings and token tables by their
+module's name (``EMBEDDING_NAMES``), the head by its module's name (``DEFAULT_HEAD_NAMES``) or,
+where none is, the last matrix listed when its name holds one of them (``net.head.fc.weight``).
 """
 
 from __future__ import annotations
@@ -67,11 +76,13 @@ from lightning_muon.routing.experts import EXPERT_ORIENTATIONS, ExpertStack, fin
 
 __all__ = [
     "DEFAULT_HEAD_NAMES",
+    "EMBEDDING_NAMES",
     "TOKEN_TABLE_NAMES",
     "TRANSPOSED_MODULES",
     "ParamGroups",
     "Rule",
     "route",
+    "route_names",
     "unwrap_module",
 ]
 
@@ -79,6 +90,12 @@ DEFAULT_HEAD_NAMES = ("lm_head", "head", "output", "output_layer", "output_proje
 # Parameter names of learned position and token tables (timm ViT, DeiT, BEiT, MAE).
 TOKEN_TABLE_NAMES = (
     r"(^|\.)(pos_embed|pos_embedding|position_embeddings?|cls_token|dist_token|reg_token|register_tokens|mask_token)$"
+)
+# The name of a module holding an embedding table, as models write it (the part of a parameter's name
+# before its own): embed_tokens, word_embeddings, wte, tok_embeddings, embed_in, and peft's adapters of one.
+EMBEDDING_NAMES = (
+    r"^((.*_)?(wte|wpe|emb|embed|embeds|embedding|embeddings)(_.*)?|.*embeddings|lora_embedding_[AB]"
+    r"|trainable_tokens_delta)$"
 )
 _STEM_TYPES = (nn.Conv1d, nn.Conv2d, nn.Conv3d, nn.Linear)
 
@@ -214,10 +231,11 @@ class Rule:
 
     def matches(self, param: Tensor, name: str, owner: nn.Module | None) -> bool:
         """True when every matcher the rule sets accepts ``param`` (named ``name``)."""
+        written = (name, name.replace("_orig_mod.", "")) if "_orig_mod." in name else (name,)  # torch.compile's
         names = _as_tuple(self.names)
-        if names and not any(fnmatch.fnmatchcase(name, pattern) for pattern in names):
+        if names and not any(fnmatch.fnmatchcase(n, pattern) for n in written for pattern in names):
             return False
-        if self.regex is not None and re.search(self.regex, name) is None:
+        if self.regex is not None and all(re.search(self.regex, n) is None for n in written):
             return False
         types = _as_tuple(self.module_types)
         if types and not _owner_matches(owner, types):
@@ -483,7 +501,12 @@ def route(
     extra_rules = list(optional_rules)
     module = unwrap_module(module)
     owners = {id(p): m for m in module.modules() for p in m.parameters(recurse=False)}
-    embedding_ids = {id(p) for m in module.modules() if isinstance(m, nn.Embedding) for p in m.parameters()}
+    embedding_ids = {
+        id(p)
+        for m in module.modules()
+        if isinstance(m, nn.Embedding) or isinstance(getattr(m, "base_layer", None), nn.Embedding)  # peft's
+        for p in m.parameters()
+    }
     head_ids, head_how = _head_params(module, settings.head_names, settings.head_by_position)
     experts = find_experts(module, settings.split_gate_up, settings.probe_experts)
     stacks = experts.stacks
@@ -587,6 +610,36 @@ def route(
     for r in idle:
         warnings.warn(_idle_rule_message(r, module, owners, user_rules), UserWarning, stacklevel=2)
     return ParamGroups(groups.values(), assignments, {"output_head": head_how}, routed_stacks, idle)
+
+
+def route_names(pairs: list[tuple[str, Tensor]]) -> list[dict[str, Any]]:
+    """Param groups for ``(name, tensor)`` pairs given without their module, by the default rules (module docstring).
+
+    The groups the module's own routing makes (``adamw_no_decay``, ``adamw``, ``muon``, with
+    ``param_names``), from the names alone: where a module type or ``get_output_embeddings()``
+    would tell more, ``route_parameters(model)`` reads it.
+    """
+
+    def module_name(name: str) -> str:
+        return name.replace("_orig_mod.", "").rpartition(".")[0].rpartition(".")[2]
+
+    matrices = [(n, p) for n, p in pairs if p.ndim >= 2]
+    embeddings = {id(p) for n, p in matrices if re.match(EMBEDDING_NAMES, module_name(n))}
+    head = {id(p) for n, p in matrices if module_name(n) in DEFAULT_HEAD_NAMES}
+    if not head and matrices and set(matrices[-1][0].split(".")[:-1]) & set(DEFAULT_HEAD_NAMES):
+        head = {id(matrices[-1][1])}
+    found = _Found(embeddings=embeddings, head=head, stem=None, transposed=set(), routers=set(), stacks={})
+    rules = _default_rules(None, found, None)
+    groups: dict[str, dict[str, Any]] = {}
+    for name, p in pairs:
+        rule = next(r for r in rules if r.matches(p, name, None))
+        group = groups.setdefault(
+            rule.group_name,
+            {"params": [], "param_names": [], "algorithm": rule.algorithm, "name": rule.group_name, **rule.options},
+        )
+        group["params"].append(p)
+        group["param_names"].append(name)
+    return list(groups.values())
 
 
 def _idle_rule_message(rule: Rule, module: nn.Module, owners: dict[int, nn.Module], user_rules: list[Rule]) -> str:
