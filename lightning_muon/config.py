@@ -28,6 +28,7 @@ from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
 
+import yaml
 from torch import nn
 
 from lightning_muon.algorithms import (
@@ -272,6 +273,19 @@ class MuonConfig:
     def __setstate__(self, state: dict[str, Any]) -> None:
         made = MuonConfig.from_any(state)
         self.__dict__.update({f.name: getattr(made, f.name) for f in dataclasses.fields(MuonConfig)})
+
+
+def _plain(value: Any) -> Any:
+    """``value`` with every tuple a list: what ``yaml.safe_load`` reads back (``from_any`` takes either)."""
+    if isinstance(value, dict):
+        return {k: _plain(v) for k, v in value.items()}
+    return [_plain(v) for v in value] if isinstance(value, (list, tuple)) else value
+
+
+# A logger's hparams.yaml (Lightning's yaml.dump) holds the config as plain YAML, its to_dict(): yaml.safe_load
+# and load_from_checkpoint(..., hparams_file=...) read it back.
+for _dumper in (yaml.Dumper, yaml.SafeDumper):
+    yaml.add_representer(MuonConfig, lambda dumper, config: dumper.represent_dict(_plain(config.to_dict())), _dumper)
 
 
 def _spec(cls: type) -> dict[str, Any]:

@@ -8,7 +8,9 @@ per algorithm for manual optimization and plain PyTorch loops.
 
 from __future__ import annotations
 
+import inspect
 import math
+import sys
 from collections.abc import Iterable
 from typing import Any
 
@@ -81,11 +83,42 @@ def configure_muon_optimizers(module: nn.Module, config: MuonConfig | dict[str, 
     }
 
 
+def _config_given_to_init(module: nn.Module) -> MuonConfig | dict[str, Any] | None:
+    """The ``MuonConfig`` (or a ``muon_config`` dict) given to the ``__init__`` of ``module`` that is running now.
+
+    Read off the stack as Lightning's ``save_hyperparameters`` reads the arguments: the frames
+    of ``__init__`` methods whose first argument is ``module`` (the class's and its bases');
+    the outermost, the class made, wins.
+    """
+    given = None
+    frame, seen = sys._getframe(2), False  # past __setattr__
+    for _ in range(64):
+        if frame is None:
+            break
+        code = frame.f_code
+        own = code.co_name == "__init__" and code.co_argcount > 0 and frame.f_locals.get(code.co_varnames[0]) is module
+        if not own and seen:
+            break
+        if own:
+            seen = True
+            arguments = inspect.getargvalues(frame)
+            values = [(name, arguments.locals[name]) for name in arguments.args[1:]]
+            values += [("", value) for value in arguments.locals.get(arguments.varargs) or ()]
+            values += list((arguments.locals.get(arguments.keywords) or {}).items())
+            for name, value in values:
+                if isinstance(value, MuonConfig) or name in ("muon_config", "muon") and isinstance(value, dict):
+                    given = value
+        frame = frame.f_back
+    return given
+
+
 class MuonModuleMixin:
     """Gives a LightningModule ``configure_optimizers`` with Muon; list it before LightningModule.
 
     The config is read from, in order: ``self.muon_config`` (a ``MuonConfig`` or a dict of its
-    fields), ``self.hparams["muon_config"]``, ``self.hparams["muon"]``; otherwise defaults.
+    fields), ``self.hparams["muon_config"]``, ``self.hparams["muon"]``, the ``MuonConfig`` given
+    to ``__init__`` (or a dict given as its ``muon_config`` argument) when the module kept it
+    nowhere (no ``save_hyperparameters()``); otherwise defaults.
 
     When the config routes parameters to ``"adamw_schedulefree"``, ``configure_callbacks``
     adds ``ScheduleFreeModeSwitch`` (validation, test and checkpoints at the averaged
@@ -124,6 +157,12 @@ class MuonModuleMixin:
                     "or LightningModule.configure_optimizers hides the mixin's"
                 )
 
+    def __setattr__(self, name: str, value: Any) -> None:
+        # The first attribute set is set while __init__ runs: the config it was given, read off its frames.
+        if "_muon_config_given" not in self.__dict__:
+            self.__dict__["_muon_config_given"] = _config_given_to_init(self)
+        super().__setattr__(name, value)
+
     def resolve_muon_config(self) -> MuonConfig:
         """The ``MuonConfig`` this module trains with."""
         if self.muon_config is not None:
@@ -132,7 +171,7 @@ class MuonModuleMixin:
         for key in ("muon_config", "muon"):
             if key in hparams and hparams[key] is not None:
                 return MuonConfig.from_any(hparams[key])
-        return MuonConfig()
+        return MuonConfig.from_any(self.__dict__.get("_muon_config_given"))
 
     @property
     def lr(self) -> float:
