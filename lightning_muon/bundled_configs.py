@@ -10,7 +10,9 @@ and a bare name (``muon``, ``muon.yaml``) is looked up among the bundled configs
 
 from __future__ import annotations
 
+import difflib
 import re
+import sys
 from argparse import ArgumentError
 from pathlib import Path
 from typing import Any
@@ -58,7 +60,11 @@ def find_config(value: str) -> str:
     name = value.removesuffix(SUFFIX)
     if name in configs:
         return str(configs[name])
-    raise ValueError(f"{value!r} is neither a file nor a bundled config (bundled: {', '.join(configs)})")
+    close = difflib.get_close_matches(name, list(configs), n=1)
+    raise ValueError(
+        f"{value!r} is neither a file nor a bundled config (bundled: {', '.join(configs)})"
+        + (f"; did you mean {close[0]!r}?" if close else "")
+    )
 
 
 class BundledConfigFile(ActionConfigFile):
@@ -71,3 +77,17 @@ class BundledConfigFile(ActionConfigFile):
         except ValueError as err:
             raise ArgumentError(self, str(err)) from None
         super().__call__(parser, cfg, values, option_string)
+
+
+def without_lr_monitor_when_no_logger(cli: Any) -> None:
+    """``--trainer.logger=false``: the config's ``LearningRateMonitor`` left out, with a note (in ``CONFIG_HOOKS``).
+
+    The bundled configs carry one, and Lightning's refuses a trainer without a logger.
+    """
+    trainer = (cli.config[cli.subcommand] if cli.subcommand else cli.config).get("trainer")
+    if trainer is None or trainer.get("logger") is not False or not trainer.get("callbacks"):
+        return
+    kept = [c for c in trainer.callbacks if not str(c.get("class_path", "")).endswith(".LearningRateMonitor")]
+    if len(kept) < len(trainer.callbacks):
+        sys.stderr.write("note: LearningRateMonitor left out: --trainer.logger=false leaves it nothing to log to\n")
+        trainer.callbacks = kept

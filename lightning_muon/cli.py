@@ -5,11 +5,11 @@ the library names no model (``python -m lightning_muon_demo fit`` is this CLI wi
 gives it its data through ``CONFIG_HOOKS``). The run's config is saved to its log directory, never over a file the
 CLI did not write (``MuonSaveConfigCallback``). ``convert-checkpoint`` and ``options`` run beside LightningCLI's.
 
-An error is two lines on stderr: what is wrong, then where to look. What is wrong comes from the library's own checks:
-each ``MuonConfig`` is made before LightningCLI makes the model, so a setting's own error is printed; and a command
-line the parser refuses is checked value by value against the types of the classes it names (``_check``), the first
-bad value or option named as written, with its choices or the nearest option; what neither finds, as jsonargparse
-words it.
+An error is two lines on stderr, before anything else: what is wrong, then where to look. What is wrong comes from the
+library's own checks: each ``MuonConfig`` is made once the command line is parsed, before Lightning seeds, so a
+setting's own error is printed; and a command line the parser refuses is checked value by value against the types of
+the classes it names (``_check``), the first bad value or option named as written, with its choices or the nearest
+option; what neither finds, as jsonargparse words it.
 """
 
 from __future__ import annotations
@@ -31,18 +31,19 @@ import yaml
 from jsonargparse import Namespace, dict_to_namespace
 from lightning.pytorch.cli import LightningArgumentParser, LightningCLI
 
+from lightning_muon import bundled_configs as bundled
 from lightning_muon import checkpoints, options
 from lightning_muon.algorithms import Settings
-from lightning_muon.bundled_configs import BundledConfigFile, bundled_configs, find_config
 from lightning_muon.callbacks.save_config import DUMP_HEADER, MuonSaveConfigCallback
 from lightning_muon.config import MuonConfig
+from lightning_muon.module import MuonModuleMixin
 
 __all__ = ["CONFIG_HOOKS", "MuonArgumentParser", "MuonCLI", "main"]
 
 # Called in turn with the CLI once its config is parsed, before its classes are made; each may change ``cli.config``
 # (``cli.parser.given`` is the command line). A package of models adds one on import, the library itself naming no
 # model: lightning_muon_demo's give its model its data and note what a model of yours keeps from the demo configs.
-CONFIG_HOOKS: list[Callable[[MuonCLI], None]] = []
+CONFIG_HOOKS: list[Callable[[MuonCLI], None]] = [bundled.without_lr_monitor_when_no_logger]
 
 
 def _given(args: Sequence[str]) -> Iterator[tuple[str, Any]]:
@@ -55,7 +56,7 @@ def _given(args: Sequence[str]) -> Iterator[tuple[str, Any]]:
         key, eq, text = arg.partition("=")
         text, config = text if eq or n + 1 == len(args) or keys[n + 1] else args[n + 1], key in ("-c", "--config")
         try:
-            path = find_config(text) if config else text
+            path = bundled.find_config(text) if config else text
             value = yaml.safe_load(Path(path).read_text() if config and os.path.isfile(path) else path)
         except (ValueError, yaml.YAMLError):  # an input the parser reports itself
             continue
@@ -207,14 +208,8 @@ class MuonArgumentParser(LightningArgumentParser):
 
 
 class MuonCLI(LightningCLI):
-    """LightningCLI with optional data, an optional default model, ``CONFIG_HOOKS`` and two-line errors.
-
-    Args:
-        *args: ``LightningCLI``'s arguments.
-        default_model: The class path of the model when neither ``--model`` nor the config names one; ``None`` (the
-            default) makes ``--model`` required.
-        **kwargs: ``LightningCLI``'s keyword arguments.
-    """
+    """LightningCLI with optional data, ``CONFIG_HOOKS``, two-line errors and ``default_model``, the class path of the
+    model when neither ``--model`` nor the config names one (``None``, the default: ``--model`` is required)."""
 
     def __init__(self, *args: Any, default_model: str | None = None, **kwargs: Any) -> None:
         self.default_model = default_model  # read by add_arguments_to_parser, inside super().__init__
@@ -224,62 +219,66 @@ class MuonCLI(LightningCLI):
         # LightningCLI.init_parser, with --config taking a bundled config's name too.
         kwargs.setdefault("dump_header", [DUMP_HEADER, f"lightning.pytorch=={pl.__version__}"])
         parser = self.parser_class(**kwargs)
-        names = ", ".join(bundled_configs())
+        names = ", ".join(bundled.bundled_configs())
         help = f"A YAML or JSON file, a config string, or the name of a bundled config: {names}."
-        parser.add_argument("-c", "--config", action=BundledConfigFile, help=help)
+        parser.add_argument("-c", "--config", action=bundled.BundledConfigFile, help=help)
         return parser
 
     def add_arguments_to_parser(self, parser: LightningArgumentParser) -> None:
         if self.default_model is not None:
             parser.set_defaults({"model": {"class_path": self.default_model}})
 
-    def before_instantiate_classes(self) -> None:
-        for hook in CONFIG_HOOKS:
-            hook(self)
-        callback, config = self.save_config_callback, self.config[self.subcommand] if self.subcommand else self.config
-        if isinstance(callback, type) and issubclass(callback, MuonSaveConfigCallback):
-            # Every --config input, of the main parser and of the subcommand's.
-            inputs = [*(self.config.get("config") or []), *((config.get("config") or []) if self.subcommand else [])]
-            self.save_config_kwargs["input_configs"] = [os.fspath(path.absolute) for path in inputs if path]
-
-    def instantiate_classes(self) -> None:
-        """Makes each ``MuonConfig`` argument of the model before LightningCLI does, so that a bad setting is reported
-        by its own error (jsonargparse would keep only its words, deep in its own)."""
-        model = (self.config[self.subcommand] if self.subcommand else self.config).get("model")
-        init_args = (model.get("init_args") if model else None) or Namespace()
+    def parse_arguments(self, parser: LightningArgumentParser, args: Any) -> None:
+        """LightningCLI's parse, then, before Lightning seeds and logs: ``--optimizer`` or ``--lr_scheduler`` with a
+        ``MuonModuleMixin`` model refused (LightningCLI would replace its ``configure_optimizers``, dropping
+        ``muon_config``), and each ``MuonConfig`` argument of the model made (a bad setting: its own error)."""
+        super().parse_arguments(parser, args)
+        subcommand = self.config.get("subcommand")
+        config, prog = self.config[subcommand] if subcommand else self.config, f"{parser.prog} {subcommand or ''}"
+        model = config.get("model") or Namespace(class_path="", init_args=None)
+        cls = _class_named(model.class_path)
+        given = [key for key in ("optimizer", "lr_scheduler") if config.get(key) is not None]
+        if given and isinstance(cls, type) and issubclass(cls, MuonModuleMixin):
+            _report(
+                f"--{given[0]} would replace {cls.__name__}.configure_optimizers (MuonModuleMixin's) and drop "
+                "model.init_args.muon_config with it (the routing, the AdamW lr, the schedule); set the optimizer "
+                "there instead (--model.init_args.muon_config.matrix.init_args.lr=0.01), or leave the mixin out",
+                prog.rstrip(),
+            )
+        init_args = model.get("init_args") or Namespace()
         try:
-            for name, tp in ((model and _fields(_class_named(model.class_path))) or {}).items():
+            for name, tp in (_fields(cls) or {}).items():
                 if MuonConfig in _alternatives(tp) and isinstance(init_args.get(name), Namespace):
                     MuonConfig(**_made(init_args[name]))
         except ValueError as err:
             if os.environ.get("JSONARGPARSE_DEBUG"):
                 raise
-            _report(str(err), f"{self.parser.prog} {self.subcommand or ''}".rstrip())
-        super().instantiate_classes()
+            _report(str(err), prog.rstrip())
+
+    def before_instantiate_classes(self) -> None:
+        for hook in CONFIG_HOOKS:
+            hook(self)
+        config = self.config[self.subcommand] if self.subcommand else self.config
+        callback = self.save_config_callback
+        if isinstance(callback, type) and issubclass(callback, MuonSaveConfigCallback):
+            # Every --config input, of the main parser and of the subcommand's.
+            inputs = [*(self.config.get("config") or []), *((config.get("config") or []) if self.subcommand else [])]
+            self.save_config_kwargs["input_configs"] = [os.fspath(path.absolute) for path in inputs if path]
 
 
 # The commands ``main`` runs itself, with what the top-level help says of each beside LightningCLI's.
 OWN_COMMANDS = {
     "convert-checkpoint": (checkpoints.main, "DIR OUT.ckpt: turn a muon_fsdp checkpoint folder into one file."),
-    "options": (
-        options.main,
-        "[NAME]: every setting of an algorithm (muon, adamw, scion, ...) or a config section "
-        "(state, routing, schedule, megatron), with its doc; alone, the sections and algorithms.",
-    ),
+    "options": (options.main, "[NAME]: the settings of an algorithm or a config section, each documented; alone, all."),
 }
 
 
 def main(
     args: list[str] | None = None, *, default_model: str | None = None, prog: str = "python -m lightning_muon"
 ) -> MuonCLI | None:
-    """Run the CLI; ``args`` defaults to ``sys.argv[1:]``. ``OWN_COMMANDS`` run here and return None (a failure exits
-    with its code); every other command line goes to LightningCLI (``fit``, ``validate``, ...).
-
-    Args:
-        args: The command line after the program name.
-        default_model: The model's class path when none is given; ``None``: ``--model`` is required.
-        prog: The program name shown in help and errors.
-    """
+    """Run the CLI on ``args`` (the command line after the program name; default ``sys.argv[1:]``), ``prog`` its name
+    in help and errors. ``OWN_COMMANDS`` run here and return None (a failure exits with its code); every other command
+    line goes to ``MuonCLI`` (``fit``, ``validate``, ...), with ``default_model`` (``MuonCLI``'s)."""
     argv = sys.argv[1:] if args is None else list(args)
     if argv[:1] and argv[0] in OWN_COMMANDS:
         code = OWN_COMMANDS[argv[0]][0](argv[1:], prog=f"{prog} {argv[0]}")

@@ -10,6 +10,7 @@ names a ``megatron`` block reads and those it refuses, with what to use instead.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 import inspect
 import sys
 import textwrap
@@ -133,7 +134,11 @@ def render(name: str | None) -> str:
             lines = _algorithm(name)
         except ValueError:
             known = [*algorithm_names(), *sections]
-            raise ValueError(f"options: {name!r} is neither an algorithm nor a section; one of {known}") from None
+            close = difflib.get_close_matches(name, known, n=1)
+            raise ValueError(
+                f"options: {name!r} is neither an algorithm nor a section; one of {known}"
+                + (f"; did you mean {close[0]!r}?" if close else "")
+            ) from None
     return "\n".join(lines) + "\n"
 
 

@@ -518,7 +518,9 @@ def test_options_of_an_unknown_name_exits_2_naming_the_known_ones(capsys):
     captured = capsys.readouterr()
     assert exited.value.code == 2 and captured.out == ""
     known = [*algorithm_names(), "state", "routing", "schedule", "megatron"]
-    assert captured.err == f"error: options: 'muonn' is neither an algorithm nor a section; one of {known}\n"
+    assert captured.err == (
+        f"error: options: 'muonn' is neither an algorithm nor a section; one of {known}; did you mean 'muon'?\n"
+    )
     assert {"muon", "adamw", "soap", "laprop"} <= set(known)
 
 
