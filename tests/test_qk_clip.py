@@ -389,6 +389,17 @@ def _hf_case(kind: str):
         with torch.no_grad():  # Q head 0 x40 and its key head 0 x10: head 0 x400, head 1 x10
             attn.q_proj.weight[0:8] *= 40.0
             attn.k_proj.weight[0:8] *= 10.0
+    elif kind == "bert_query_key":  # an encoder: query / key, no GQA, every query sees every key
+        config = transformers.BertConfig(
+            vocab_size=64, hidden_size=32, intermediate_size=64, num_hidden_layers=1, num_attention_heads=4,
+            max_position_embeddings=16, hidden_dropout_prob=0.0, attention_probs_dropout_prob=0.0,
+            attn_implementation="sdpa",
+        )  # fmt: skip
+        model = transformers.BertForMaskedLM(config)
+        attn = model.bert.encoder.layer[0].attention.self
+        with torch.no_grad():  # head 0 x400
+            attn.query.weight[0:8] *= 40.0
+            attn.key.weight[0:8] *= 10.0
     else:  # GPT-2: fused c_attn, Conv1D (fan_in, fan_out); head 2's Q and K columns x40
         config = transformers.GPT2Config(
             vocab_size=64, n_positions=16, n_embd=32, n_layer=1, n_head=4, bos_token_id=0, eos_token_id=0,
@@ -400,7 +411,8 @@ def _hf_case(kind: str):
             attn.c_attn.weight[:, 16:24] *= 40.0
             attn.c_attn.weight[:, 32 + 16 : 32 + 24] *= 40.0
     seen = {}
-    proj = attn.q_proj if kind == "llama_gqa" else attn.c_attn
+    proj = {"llama_gqa": "q_proj", "bert_query_key": "query"}.get(kind, "c_attn")
+    proj = getattr(attn, proj)
     handle = proj.register_forward_pre_hook(lambda m, args: seen.setdefault("x", args[0].detach()))
     module = _HFModule(model)
     batch = next(iter(module.train_dataloader()))[0]
@@ -419,6 +431,9 @@ def _hf_case(kind: str):
                 k = attn.k_proj(x).view(*x.shape[:2], 2, 8).transpose(1, 2)
                 cos, sin = model.model.rotary_emb(x, torch.arange(T)[None])
                 q, k = apply_rotary_pos_emb(q, k, cos, sin)
+            elif kind == "bert_query_key":
+                q, k = (proj(x).view(*x.shape[:2], 4, 8).transpose(1, 2) for proj in (attn.query, attn.key))
+                return _brute_max(q, k, torch.ones(T, T, dtype=torch.bool), 8**-0.5)
             else:
                 q, k, _ = attn.c_attn(x).split(32, dim=2)
                 q, k = (t.view(*t.shape[:2], 4, 8).transpose(1, 2) for t in (q, k))
@@ -427,17 +442,21 @@ def _hf_case(kind: str):
     return module, attn, maxima
 
 
-@pytest.mark.parametrize("kind", ["llama_gqa", "gpt2_c_attn"])
+@pytest.mark.parametrize("kind", ["llama_gqa", "gpt2_c_attn", "bert_query_key"])
 def test_hugging_face_attention_gqa_and_fused_c_attn(tmp_path, kind):
     module, attn, maxima = _hf_case(kind)
     start = {n: p.detach().clone() for n, p in module.named_parameters()}
     s_before = maxima()
-    planted = 0 if kind == "llama_gqa" else 2
+    planted = 2 if kind == "gpt2_c_attn" else 0
     assert s_before[planted] > 10 * TAU and torch.all(torch.cat([s_before[:planted], s_before[planted + 1 :]]) < TAU)
     eta = TAU / s_before[planted]
     _, fit = _fit(tmp_path, 1, [QKClip(threshold=TAU)], model=module)
     # What the registered attention function recorded (after RoPE) is the by-hand maximum.
-    name = "model.model.layers.0.self_attn" if kind == "llama_gqa" else "model.transformer.h.0.attn"
+    name = {
+        "llama_gqa": "model.model.layers.0.self_attn",
+        "gpt2_c_attn": "model.transformer.h.0.attn",
+        "bert_query_key": "model.bert.encoder.layer.0.attention.self",
+    }[kind]
     torch.testing.assert_close(fit.callback_metrics[f"qk_clip/max_logit/{name}"], s_before.max(), rtol=1e-5, atol=0)
     assert attn.config._attn_implementation == "qk_clip_sdpa"
     s_after = maxima()
@@ -455,6 +474,12 @@ def test_hugging_face_attention_gqa_and_fused_c_attn(tmp_path, kind):
         assert torch.equal(k[8:], k0[8:])
         torch.testing.assert_close(s_after[1], s_before[1] * eta**0.5, rtol=ROUNDING, atol=0)
         assert torch.equal(s_after[2:], s_before[2:])
+    elif kind == "bert_query_key":  # one key head per query head: only head 0 moves
+        for proj in ("query", "key"):
+            w, w0 = params[f"{name}.{proj}.weight"], start[f"{name}.{proj}.weight"]
+            torch.testing.assert_close(w[0:8], w0[0:8] * eta**0.5, rtol=1e-6, atol=0)
+            assert torch.equal(w[8:], w0[8:])
+        assert torch.equal(s_after[1:], s_before[1:])
     else:
         for suffix in ("weight", "bias"):
             w, w0 = params[f"{name}.c_attn.{suffix}"], start[f"{name}.c_attn.{suffix}"]
@@ -463,11 +488,12 @@ def test_hugging_face_attention_gqa_and_fused_c_attn(tmp_path, kind):
             torch.testing.assert_close(w[..., cols], w0[..., cols] * eta**0.5, rtol=1e-6, atol=0)
             assert torch.equal(w[..., ~cols], w0[..., ~cols])  # other heads and all of V
         assert torch.equal(torch.cat([s_after[:2], s_after[3:]]), torch.cat([s_before[:2], s_before[3:]]))
-    untouched = [n for n in params if ".q_proj." not in n and ".k_proj." not in n and ".c_attn." not in n]
+    moved = (".q_proj.", ".k_proj.", ".c_attn.", ".query.", ".key.")
+    untouched = [n for n in params if not any(m in n for m in moved)]
     assert untouched and all(torch.equal(params[n], start[n]) for n in untouched)
 
 
-@pytest.mark.parametrize("kind", ["llama_gqa", "gpt2_c_attn"])
+@pytest.mark.parametrize("kind", ["llama_gqa", "gpt2_c_attn", "bert_query_key"])
 def test_cap_forward_through_the_hugging_face_attention_function(tmp_path, monkeypatch, kind):
     # The registered transformers function caps per query head: with GQA, query head 0
     # (planted) lands on tau while head 1, on the same key head, keeps its logits.
@@ -476,7 +502,7 @@ def test_cap_forward_through_the_hugging_face_attention_function(tmp_path, monke
     seen = _spy_softmax_logits(monkeypatch)
     _fit(tmp_path, 1, [QKClip(threshold=TAU, cap_forward=True)], model=module)
     (used,) = seen
-    planted = 0 if kind == "llama_gqa" else 2
+    planted = 2 if kind == "gpt2_c_attn" else 0
     torch.testing.assert_close(used[planted], torch.tensor(TAU), rtol=ROUNDING, atol=0)
     rest = torch.arange(len(used)) != planted
     torch.testing.assert_close(used[rest], s_before[rest], rtol=1e-5, atol=1e-6)

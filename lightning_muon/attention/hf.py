@@ -8,13 +8,15 @@ maxima on the calling module (when recording; with ``QKClip(cap_forward=True)`` 
 caps the heads over the threshold, :func:`~lightning_muon.attention.maxima.capped_query`),
 then runs transformers' own SDPA attention. :func:`hf_qk_heads` reads where Q and K live:
 
-- Llama-style ``q_proj`` / ``k_proj`` (Llama, Mistral, Qwen2, ...): ``H`` query and
-  ``G = num_key_value_heads`` key heads of ``head_dim`` rows each; biases when present;
+- Llama-style ``q_proj`` / ``k_proj`` (Llama, Mistral, Qwen2, ...), or BERT-style ``query`` /
+  ``key`` (BERT, RoBERTa, ViT): ``H`` query and ``G = num_key_value_heads`` key heads (``H``
+  without it) of ``head_dim`` rows each; biases when present;
 - GPT-2's fused ``c_attn`` (``Conv1D``, weight ``(d, 3d)`` stored ``(fan_in, fan_out)``):
   Q is output columns ``0 .. d-1``, K columns ``d .. 2d-1``, the bias alike.
 
 Models that normalize q and k after the projection (``q_norm`` / ``k_norm``: Qwen3,
-Gemma 3, OLMo 2) are refused: scaling ``W_q`` does not change a normalized ``q``.
+Gemma 3, OLMo 2) are refused: scaling ``W_q`` does not change a normalized ``q``; so are
+projections that peft wraps in LoRA layers, whose ``W_q`` and ``W_k`` stay frozen.
 transformers is imported only when a Hugging Face model is found.
 """
 
@@ -116,6 +118,14 @@ def hf_qk_heads(module: nn.Module) -> QKHeads | None:
     if not is_hf_module(module):
         return None
     q_proj, k_proj, c_attn = (getattr(module, n, None) for n in ("q_proj", "k_proj", "c_attn"))
+    if q_proj is None and not getattr(module, "is_cross_attention", False):  # BERT, RoBERTa, ViT
+        q_proj, k_proj = getattr(module, "query", None), getattr(module, "key", None)
+    if any(isinstance(getattr(proj, "base_layer", None), nn.Linear) for proj in (q_proj, k_proj)):
+        raise ValueError(
+            f"QKClip: the q and k projections of {type(module).__name__} are peft LoRA layers: QK-clip rescales W_q "
+            "and W_k, which LoRA keeps frozen (an adapter checkpoint would not keep the change either); train them "
+            "fully with QKClip, or merge the adapters first (model.merge_and_unload())"
+        )
     if isinstance(q_proj, nn.Linear) and isinstance(k_proj, nn.Linear):
         if getattr(module, "q_norm", None) is not None or getattr(module, "k_norm", None) is not None:
             raise ValueError(

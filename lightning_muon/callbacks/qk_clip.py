@@ -35,7 +35,7 @@ def find_attention(
 
     In order of ``named_modules()``: modules with a ``qk_clip_heads()`` method (the
     protocol; the demo ``CharGPT``'s attention has one), then transformers' attention
-    modules (Llama-style ``q_proj``/``k_proj``, GPT-2's ``c_attn``). ``names`` (glob
+    modules (Llama-style ``q_proj``/``k_proj``, BERT-style ``query``/``key``, GPT-2's ``c_attn``). ``names`` (glob
     patterns, or regular expressions prefixed ``"re:"``) keeps only the matching names.
     """
     found = []
@@ -223,7 +223,9 @@ class QKClip(Callback):
             raise ValueError(
                 f"QKClip: found no attention module{where} in {type(pl_module).__name__}: give your attention "
                 "a qk_clip_heads() method and record with lightning_muon.attention.scaled_dot_product_attention"
-                "(..., module=self), or use a transformers model"
+                "(..., module=self). A transformers attention is found where transformers runs it through its "
+                "AttentionInterface (sdpa or eager) with q_proj/k_proj (Llama, Mistral, Qwen2, ...), query/key "
+                "(BERT, RoBERTa, ViT) or GPT-2's c_attn"
             )
         for _, module, read in self._modules:
             read()  # validates the layout now, not after the first step
