@@ -298,10 +298,7 @@ def sinkhorn_normalize_matrices_(module: torch.nn.Module, config: MuonConfig) ->
     """
     params = dict(module.named_parameters())
     names = [
-        name
-        for group in config.route(module)
-        if group["algorithm"] == "sinkhorn_muon"
-        for name in group["param_names"]
+        name for group in config.route(module) if group["algorithm"] == "sinkhorn_muon" for name in group["param_names"]
     ]
     for name in names:
         params[name].copy_(sinkhorn_knopp(params[name]))

@@ -2,10 +2,11 @@
 
 Run: python examples/quickstart/train_digits.py [--epochs 30]
 
-The only change from an AdamW script is the optimizer line: ``Muon(model.parameters())``
-sends the two hidden matrices to Muon and the biases and the output layer's
-parameters to AdamW (here the output layer is a matrix too, so it goes to Muon;
-the Lightning routing rules keep heads on AdamW).
+The only change from an AdamW script is the optimizer line: ``Muon(model.named_parameters())``
+sends the matrices to Muon and the biases to AdamW. Names like ``lm_head`` or
+``classifier`` would send a head to AdamW too; this ``nn.Sequential``'s last layer is
+``4``, so it goes to Muon (``route_parameters(model)``, as the Lightning mixin routes,
+finds it as the last ``nn.Linear``).
 """
 
 from __future__ import annotations
@@ -38,7 +39,7 @@ def train(optimizer_name: str, epochs: int, batch_size: int = 64, seed: int = 0)
     x_train, y_train, x_val, y_val = load_data()
     model = make_model()
     if optimizer_name == "muon":
-        optimizer = Muon(model.parameters(), lr=0.02, adamw_lr=3e-3)
+        optimizer = Muon(model.named_parameters(), lr=0.02, adamw_lr=3e-3)
     else:
         optimizer = torch.optim.AdamW(model.parameters(), lr=3e-3)
     for _ in range(epochs):
