@@ -24,6 +24,7 @@ ALGORITHM`` lists an algorithm's settings with their docs.
 from __future__ import annotations
 
 import dataclasses
+import difflib
 from collections.abc import Iterable, Mapping
 from dataclasses import dataclass, field
 from typing import Any
@@ -246,9 +247,12 @@ class MuonConfig:
         if isinstance(value, Mapping):
             unknown = sorted(set(value) - {f.name for f in dataclasses.fields(cls)})
             if unknown:
+                sections = [*SECTIONS, "megatron"]
+                close = difflib.get_close_matches(unknown[0], sections, n=1)
                 raise ValueError(
-                    f"MuonConfig: unknown sections {unknown} (sections: {[*SECTIONS, 'megatron']}; each "
-                    "algorithm's settings go in matrix, scalar or others)"
+                    f"MuonConfig: unknown sections {unknown}"
+                    + (f"; did you mean {close[0]!r}?" if close else "")
+                    + f" (sections: {sections}; each algorithm's settings go in matrix, scalar or others)"
                 )
             return cls(**value)
         raise ValueError(f"expected a MuonConfig or a dict of its sections, got {type(value).__name__}")

@@ -377,6 +377,12 @@ def test_cli_errors_come_first_with_the_nearest_name(tmp_path, args, first_line)
     assert proc.stderr.splitlines()[0] == first_line, proc.stderr[-3000:]
 
 
+def test_a_section_typo_in_a_config_dict_names_the_nearest():
+    # The form save_hyperparameters keeps and LightningCLI passes: a dict of the sections.
+    with pytest.raises(ValueError, match=r"unknown sections \['shedule'\]; did you mean 'schedule'\?"):
+        NoSave(muon_config={"shedule": {"warmup": 3}}).resolve_muon_config()
+
+
 def test_options_of_a_typo_names_the_nearest(capsys):
     assert options_main(["mun"], prog="options") == 2
     assert "did you mean 'muon'?" in capsys.readouterr().err
